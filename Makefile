@@ -1,0 +1,28 @@
+# Two set-up commands: `make serve` and `make test`. Each builds what it needs from scratch.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv model test test-slow serve bench clean
+
+$(STAMP): requirements.txt requirements-nodeps.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -r requirements-nodeps.txt
+	touch $@
+
+venv: $(STAMP)
+
+model: venv
+	$(BIN)/python -m build_engine.prepare_model
+
+test: model
+	$(BIN)/python -m pytest -q
+
+test-slow: model
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .cache
