@@ -1,0 +1,210 @@
+"""Paged KV cache bookkeeping: block pool, per-sequence block tables, prefix cache.
+
+The cache tensor itself, `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`, is allocated once
+by the runner (each runtime owns its memory); this module decides which block holds which tokens.
+
+Prefix caching follows vLLM v1: a full block is named by a hash chained over all tokens up to and
+including it, so equal hashes mean equal prefixes. A block whose ref count drops to 0 keeps its
+hash and sits in the free queue; a later request with the same prefix takes it back (O(1) removal
+from the queue), and allocation evicts from the queue head, least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def chain_hash(parent: bytes, block_tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(block_tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Fixed set of blocks with ref counts; free blocks queue in LRU order and may still be cached."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> block id, for blocks in use and free alike
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that an allocation can take now (free, cached or not)."""
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"allocate({n}) with {len(self.free_queue)} free blocks")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict its cached content
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop a reference; blocks reaching 0 join the queue tail (evicted last)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block_id
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    """Gives sequences the blocks for the tokens they are about to compute."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _update_hashes(self, seq: Sequence) -> None:
+        bs = self.block_size
+        tokens = seq.token_ids
+        for i in range(len(seq.block_hashes), len(tokens) // bs):
+            parent = seq.block_hashes[i - 1] if i else b""
+            seq.block_hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence that has no blocks yet.
+
+        At least one token is left to compute, since the step that computes it yields the logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        needed = self.blocks_for(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+        needed -= len(seq.block_ids) + len(cached_blocks)
+        reclaimed = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        return needed <= self.pool.num_free - reclaimed
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
+
+        Returns False, changing nothing, when the pool is short.
+        """
+        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+            return False
+        if not seq.block_ids:  # admission: count the prefix-cache lookup once
+            self.stats.queried_tokens += seq.num_tokens
+            self.stats.hit_tokens += len(cached_blocks) * self.block_size
+        if cached_blocks:
+            self.pool.touch(list(cached_blocks))
+            seq.block_ids.extend(cached_blocks)
+            seq.num_computed_tokens += len(cached_blocks) * self.block_size
+            seq.num_cached_tokens = len(cached_blocks) * self.block_size
+            self._num_registered[seq.request_id] = len(seq.block_ids)
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
+        if needed > 0:
+            seq.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        start = self._num_registered.get(seq.request_id, 0)
+        end = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(start, end):
+            self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+        self._num_registered[seq.request_id] = max(start, end)
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of a sequence's blocks (finish, abort, preemption). Tail blocks are evicted first."""
+        self.pool.release(list(reversed(seq.block_ids)))
+        seq.block_ids = []
+        self._num_registered.pop(seq.request_id, None)

@@ -1,0 +1,246 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) with a ragged, paged forward.
+
+`PagedLlama.forward` is one tensor function over a flat batch of tokens from many sequences: no
+padding per sequence, no Python loop over sequences, no shape computed from data. That is what
+lets `build_engine` export this very module to ONNX, and ONNX Runtime / TensorRT run it.
+
+Attention reads the paged cache through block tables (gather only). The new tokens' K/V are
+returned, not written: the runner writes them in place at `slot_mapping` after the forward, so the
+compiled graph never copies the cache. Inside the graph, each attention row gets the new keys of
+its own sequence scattered into its small gathered copy, so a prefill chunk sees itself.
+
+Layout of a row (see backend/batch.py): up to Q query tokens of one sequence, and that sequence's
+keys at positions 0..C-1, C = blocks per row * block_size. A query at position p sees keys c <= p.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+
+def _hf_config(model_dir: str | Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    hf = _hf_config(model_dir)
+    if hf.model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"model_type {hf.model_type!r} is not supported (supported: {SUPPORTED_TYPES})")
+    eos = hf.eos_token_id
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    max_pos = hf.max_position_embeddings
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        max_pos = min(max_pos, hf.sliding_window)  # full attention is exact up to the window
+    return ModelConfig(
+        model_type=hf.model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=hf.rms_norm_eps,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        attention_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        eos_token_ids=eos_ids,
+    )
+
+
+def rope_tables(model_dir: str | Path, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_positions, head_dim] in float32, computed exactly as HF does (all RoPE types
+    HF supports at init: default, linear, llama3, yarn, ...)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(_hf_config(model_dir))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rotary.inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer_cache_k, layer_cache_v, rows):
+        cfg = self.cfg
+        T = x.shape[0]
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q = q.reshape(T, H, D)
+        k = k.reshape(T, KVH, D)
+        v = v.reshape(T, KVH, D)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        attn = _paged_attention(q, k, v, layer_cache_k, layer_cache_v, rows, cfg)
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        x = x + self.down_proj(nn.functional.silu(gate) * up)
+        return x, k, v
+
+
+@dataclass
+class RowLayout:
+    """Index tensors that place the flat tokens into attention rows (built by backend/batch.py)."""
+
+    block_tables: torch.Tensor  # [R, B] int64
+    token_index: torch.Tensor  # [R, Q] flat token of each query slot (padding repeats a real token)
+    query_positions: torch.Tensor  # [R, Q]
+    kv_src: torch.Tensor  # [P] flat token whose new K/V go to ...
+    kv_dst: torch.Tensor  # [P] ... key slot r * C + position of its row
+    token_slot: torch.Tensor  # [T] r * Q + j: where each flat token's output sits
+
+
+def _paged_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig):
+    KVH, D = cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // KVH
+    R, B = rows.block_tables.shape
+    Q = rows.token_index.shape[1]
+    bs = cache_k.shape[1]
+    C = B * bs
+    # [num_blocks, bs, KVH, D] -> rows' keys [R*C, KVH, D], then the new keys into their slots.
+    keys = cache_k[rows.block_tables].reshape(R * C, KVH, D).index_copy(0, rows.kv_dst, k[rows.kv_src])
+    values = cache_v[rows.block_tables].reshape(R * C, KVH, D).index_copy(0, rows.kv_dst, v[rows.kv_src])
+    keys = keys.reshape(R, C, KVH, D).permute(0, 2, 3, 1).unsqueeze(2)  # [R, KVH, 1, D, C]
+    values = values.reshape(R, C, KVH, D).permute(0, 2, 1, 3).unsqueeze(2)  # [R, KVH, 1, C, D]
+    queries = q[rows.token_index].reshape(R, Q, KVH, G, D).permute(0, 2, 3, 1, 4)  # [R, KVH, G, Q, D]
+    scores = torch.matmul(queries, keys).float() * (D ** -0.5)  # [R, KVH, G, Q, C]
+    key_pos = torch.arange(C, device=q.device)
+    visible = (key_pos.view(1, 1, C) <= rows.query_positions.unsqueeze(-1)).view(R, 1, 1, Q, C)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [R, KVH, G, Q, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(R * Q, KVH * G * D)
+    return out[rows.token_slot]
+
+
+class PagedLlama(nn.Module):
+    def __init__(self, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        row_block_tables: torch.Tensor,  # [R, B]
+        row_token_index: torch.Tensor,  # [R, Q]
+        kv_src: torch.Tensor,  # [P]
+        kv_dst: torch.Tensor,  # [P]
+        token_slot: torch.Tensor,  # [T]
+        last_token_index: torch.Tensor,  # [S]
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits [S, vocab] of each sequence's last token, new K/V [L, 2, T, KVH, D])."""
+        rows = RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst, token_slot)
+        x = self.embed_tokens(token_ids)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows)
+            new_kv.append(torch.stack((k, v)))
+        x = self.norm(x[last_token_index])
+        return self.lm_head(x).float(), torch.stack(new_kv)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> PagedLlama:
+    """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load)."""
+    model_dir = Path(model_dir)
+    cfg = load_model_config(model_dir)
+    cos, sin = rope_tables(model_dir, cfg.max_position_embeddings)
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(model_dir):
+        state.update(load_file(str(f)))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    fused: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": state["embed_tokens.weight"],
+        "norm.weight": state["norm.weight"],
+        "lm_head.weight": state["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
+    }
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        fused[p + "qkv_proj.weight"] = torch.cat([state[a + n + "_proj.weight"] for n in "qkv"])
+        if cfg.attention_bias:
+            fused[p + "qkv_proj.bias"] = torch.cat([state[a + n + "_proj.bias"] for n in "qkv"])
+        fused[p + "o_proj.weight"] = state[a + "o_proj.weight"]
+        fused[p + "gate_up_proj.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
+        fused[p + "down_proj.weight"] = state[p + "mlp.down_proj.weight"]
+        fused[p + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
+        fused[p + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+    with torch.device("meta"):
+        model = PagedLlama(cfg, cos, sin)
+    model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=True, assign=True)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.to(device).eval().requires_grad_(False)

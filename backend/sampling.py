@@ -1,0 +1,148 @@
+"""Sampling parameters and the batched sampler.
+
+Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own
+`torch.Generator`, so a request with a seed yields the same tokens whatever else is in the batch.
+Logprobs are those of the model's raw distribution (log_softmax of the logits before
+penalties/temperature), as vLLM and TensorRT-LLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range; the message names the field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # HF semantics, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI semantics, over output
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("bad_words_ids", [t for w in self.bad_words_ids for t in w])):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(name, f"token ids outside [0, {vocab_size}): {bad[:5]}")
+        if any(len(w) == 0 for w in self.bad_words_ids):
+            raise InvalidRequestError("bad_words_ids", "empty word")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SamplingState:
+    """Per-sequence sampler state: the generator that makes seeded sampling batch-independent."""
+
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def create(cls, params: SamplingParams) -> "SamplingState":
+        if params.greedy:
+            return cls()
+        g = torch.Generator()
+        if params.seed is not None:
+            g.manual_seed(params.seed)
+        else:
+            g.seed()
+        return cls(generator=g)
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs to know about one sequence this step."""
+
+    params: SamplingParams
+    state: SamplingState
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned_ids: list[int] = field(default_factory=list)  # eos/stop ids under min_tokens, bad-word tails
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
+    p = row.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if row.output_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.unique(torch.tensor(row.output_ids, dtype=torch.long), return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[float | None]]:
+    """Pick one token per row of `logits` [S, V] (float32). Returns token ids and their logprobs."""
+    logits = logits.float()
+    want_logprobs = any(r.params.logprobs for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    processed = logits
+    if any(r.params.penalized or r.banned_ids for r in rows):
+        processed = logits.clone()
+        for i, row in enumerate(rows):
+            if row.params.penalized:
+                _apply_penalties(processed[i], row)
+            if row.banned_ids:
+                processed[i, row.banned_ids] = float("-inf")
+    tokens = processed.argmax(dim=-1).tolist()
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.greedy:
+            continue
+        scaled = _filter_top_k_top_p(processed[i] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race == multinomial draw, one generator call per row and step.
+        noise = torch.empty_like(probs).exponential_(generator=row.state.generator)
+        tokens[i] = int((probs / noise).argmax())
+    logprobs = [float(raw_logprobs[i, t]) if r.params.logprobs else None
+                for i, (t, r) in enumerate(zip(tokens, rows))] if raw_logprobs is not None else [None] * len(rows)
+    return tokens, logprobs

@@ -1,0 +1,186 @@
+"""Iteration-level scheduler: one ragged batch per step under a token budget.
+
+Every step, each running sequence's computed tokens catch up with its known tokens (one token for a
+decode, a chunk for an unfinished prefill), running sequences first; then waiting sequences are
+admitted with their first prefill chunk while budget, `max_num_seqs` and KV blocks allow. Prefill
+chunks and decode tokens share the batch (chunked prefill).
+
+Admission policies, as in TensorRT-LLM's `batch_scheduler_policy`:
+- `max_utilization`: admit while the next chunk's blocks exist; when a running sequence cannot grow,
+  preempt by recompute the lowest-priority, newest running sequence.
+- `guaranteed_no_evict`: admit only while every admitted sequence can reach its maximum length
+  (prompt + max_tokens) in the pool; nothing is ever preempted.
+
+Priority: lower value is served first; FCFS within a class. Tenant quotas cap a tenant's running
+sequences and KV blocks; a tenant over its block quota preempts its own newest sequence.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Literal
+
+from backend.kv_cache import KVCacheManager
+from backend.sequence import Sequence, Status
+
+AdmissionPolicy = Literal["max_utilization", "guaranteed_no_evict"]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound: the server is overloaded."""
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    max_running: int | None = None
+    max_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    admission_policy: AdmissionPolicy = "max_utilization"
+    max_waiting: int = 1024
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)  # "*" applies to unnamed tenants
+
+    def __post_init__(self) -> None:
+        if self.admission_policy not in ("max_utilization", "guaranteed_no_evict"):
+            raise ValueError(f"admission_policy: unknown policy {self.admission_policy!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]]  # (sequence, tokens to compute this step), in batch order
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []  # sorted by Sequence.order_key
+        self.running: list[Sequence] = []  # sorted by Sequence.order_key at each step
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"overloaded: {len(self.waiting)} requests waiting (max_waiting)")
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.order_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- quotas ---------------------------------------------------------------------------------
+
+    def quota(self, tenant: str | None) -> TenantQuota | None:
+        if tenant is None:
+            return None
+        return self.config.tenant_quotas.get(tenant, self.config.tenant_quotas.get("*"))
+
+    def _tenant_running(self, tenant: str) -> list[Sequence]:
+        return [s for s in self.running if s.tenant == tenant]
+
+    def _within_block_quota(self, seq: Sequence, num_new_tokens: int) -> bool:
+        quota = self.quota(seq.tenant)
+        if quota is None or quota.max_blocks is None:
+            return True
+        used = sum(len(s.block_ids) for s in self._tenant_running(seq.tenant) if s is not seq)
+        return used + self.kv.blocks_for(seq.num_computed_tokens + num_new_tokens) <= quota.max_blocks
+
+    def _at_running_quota(self, seq: Sequence) -> bool:
+        quota = self.quota(seq.tenant)
+        return (quota is not None and quota.max_running is not None
+                and len(self._tenant_running(seq.tenant)) >= quota.max_running)
+
+    # -- policy ---------------------------------------------------------------------------------
+
+    def _max_blocks(self, seq: Sequence) -> int:
+        max_len = min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.config.max_model_len)
+        return self.kv.blocks_for(max_len)
+
+    def _fits_guarantee(self, seq: Sequence) -> bool:
+        reserved = sum(self._max_blocks(s) for s in self.running)
+        return reserved + self._max_blocks(seq) <= self.kv.num_blocks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+
+        self.running.sort(key=Sequence.order_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            quota_ok = self._within_block_quota(seq, n)
+            if quota_ok and self.kv.allocate(seq, n):
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            # Short of blocks: preempt from the tail (lowest priority, newest), within the tenant
+            # when it is the tenant's quota that is short. The tail is never already scheduled.
+            candidates = [s for s in self.running[i:] if quota_ok or s.tenant == seq.tenant]
+            victim = candidates[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+
+        if preempted:  # the pool is short: admitting now would only preempt again
+            return SchedulerOutput(scheduled, preempted)
+
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._at_running_quota(seq):
+                skipped.append(self.waiting.pop(0))
+                continue
+            if self.config.admission_policy == "guaranteed_no_evict" and not self._fits_guarantee(seq):
+                break
+            cached = self.kv.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+            if not self._within_block_quota(seq, n + len(cached) * self.kv.block_size):
+                skipped.append(self.waiting.pop(0))
+                continue
+            if not self.kv.allocate(seq, n, cached):
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        for seq in skipped:
+            bisect.insort(self.waiting, seq, key=Sequence.order_key)
+        return SchedulerOutput(scheduled, preempted)
