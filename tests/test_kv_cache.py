@@ -1,0 +1,101 @@
+"""Block pool and KV cache manager: ref counts, prefix hits, eviction order, no leaks."""
+
+import pytest
+
+from backend.kv_cache import BlockPool, KVCacheManager, chain_hash
+from backend.sampling import SamplingParams
+from backend.sequence import Sequence
+
+
+def make_seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(), arrival_index=0)
+
+
+def test_pool_allocates_in_lru_order_and_tracks_refs():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert a == [0, 1] and pool.num_free == 2
+    pool.touch([0])
+    pool.release([0])
+    assert pool.blocks[0].ref_count == 1 and pool.num_free == 2
+    pool.release([1, 0])
+    assert list(pool.free_queue) == [2, 3, 1, 0]  # freed blocks join the tail: evicted last
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release([0])
+    with pytest.raises(RuntimeError):
+        pool.allocate(5)
+
+
+def test_cached_free_block_is_reused_by_hash_and_evicted_when_reallocated():
+    pool = BlockPool(2)
+    [b] = pool.allocate(1)
+    h = chain_hash(b"", [1, 2, 3])
+    pool.register(b, h)
+    pool.release([b])
+    assert pool.lookup(h) == b  # still cached while free
+    pool.touch([b])  # a prefix hit takes it out of the free queue
+    assert b not in pool.free_queue and pool.blocks[b].ref_count == 1
+    pool.release([b])
+    pool.allocate(2)  # needs every block: the cached one is evicted
+    assert pool.lookup(h) is None and pool.blocks[b].block_hash is None
+
+
+def test_eviction_takes_least_recently_freed_first():
+    pool = BlockPool(3)
+    ids = pool.allocate(3)
+    for i, b in enumerate(ids):
+        pool.register(b, chain_hash(b"", [i]))
+    pool.release([ids[1]])
+    pool.release([ids[0]])
+    pool.release([ids[2]])
+    [taken] = pool.allocate(1)
+    assert taken == ids[1]
+    assert pool.lookup(chain_hash(b"", [0])) == ids[0]
+
+
+def test_chained_hash_depends_on_the_whole_prefix():
+    h1 = chain_hash(b"", [1, 2])
+    assert chain_hash(h1, [3, 4]) != chain_hash(chain_hash(b"", [9, 9]), [3, 4])
+    assert chain_hash(h1, [3, 4]) == chain_hash(chain_hash(b"", [1, 2]), [3, 4])
+
+
+def test_manager_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(12))  # exactly 3 full blocks
+    a = make_seq("a", prompt)
+    assert kv.allocate(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(a)
+    assert kv.num_cached_blocks == 3
+
+    b = make_seq("b", prompt)
+    hits = kv.find_cached_prefix(b)
+    assert hits == a.block_ids[:2]  # the last block is recomputed: its last token gives the logits
+    assert kv.allocate(b, len(prompt) - 8, hits)
+    assert b.num_computed_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    assert kv.pool.blocks[a.block_ids[0]].ref_count == 2
+    assert kv.stats.hit_tokens == 8
+
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 16  # all free again; cached content stays reusable
+    assert kv.num_cached_blocks == 3
+
+
+def test_allocate_refuses_without_side_effects_when_short():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    s = make_seq("s", list(range(9)))
+    assert not kv.allocate(s, 9)
+    assert s.block_ids == [] and kv.num_free_blocks == 2
+    assert kv.allocate(s, 8)
+    assert len(s.block_ids) == 2
+
+
+def test_prefix_caching_off_never_hits():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = make_seq("a", list(range(8)))
+    kv.allocate(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_computed_blocks(a)
+    assert kv.find_cached_prefix(make_seq("b", list(range(8)))) == []
+    assert kv.num_cached_blocks == 0
