@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv model test test-slow serve bench clean
 
-$(STAMP): requirements.txt requirements-nodeps.txt
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -r requirements-nodeps.txt
+	# the stub's interpreter runs isolated (PYTHONPATH is ignored): make backend/ importable from the venv
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(STAMP)

@@ -142,12 +142,17 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are freed now, its final output comes with the next step()."""
+        seq = self.finish(request_id, FinishReason.CANCELLED)
+        self._pending.append(self._output(seq, [], []))
+
+    def finish(self, request_id: str, reason: FinishReason) -> Sequence:
+        """End a request now, freeing its blocks, without emitting an output (the caller reports it)."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise UnknownRequestError(request_id)
         self.scheduler.remove(seq)
-        seq.finish_reason = FinishReason.CANCELLED
-        self._pending.append(self._output(seq, [], []))
+        seq.finish_reason = reason
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._pending)

@@ -1,0 +1,183 @@
+"""The engine thread: one loop serves requests submitted from other threads (Triton's `execute`).
+
+Submitting only enqueues; the loop admits requests, polls client cancellation, runs `step()`, applies
+stop strings and hands each output to its submission's `emit` callback, in order. Every submission
+ends exactly once: with a finished output through `emit`, or through `fail` (not admitted, engine
+died, shutdown). If the loop dies, it fails everything in flight and `alive` turns False.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backend.detokenize import IncrementalDetokenizer
+from backend.engine import LLMEngine, RequestOutput
+from backend.request_params import GenerationRequest
+from backend.sequence import FinishReason
+
+LOG = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class Submission:
+    client_id: str  # the caller's request id (may repeat, may be empty); `stop` targets it
+    request: GenerationRequest
+    emit: Callable[[RequestOutput], None]
+    fail: Callable[[Exception], None]
+    is_cancelled: Callable[[], bool] = lambda: False
+    submitted_at: float = field(default_factory=time.monotonic)
+    engine_id: str = ""
+    last_token_at: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+
+
+class LoopObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def on_step(self, loop: "EngineLoop", step_seconds: float, num_tokens: int) -> None: ...
+
+    def on_first_token(self, seconds: float) -> None: ...
+
+    def on_token_interval(self, seconds: float) -> None: ...
+
+    def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, tokenizer=None, observer: LoopObserver | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer  # needed for stop strings
+        self.observer = observer or LoopObserver()
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, Submission] = {}
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, sub: Submission) -> None:
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        self._inbox.put(("add", sub))
+
+    def stop_request(self, client_id: str) -> None:
+        """Abort every in-flight request with this client id (TensorRT-LLM's `stop`)."""
+        self._inbox.put(("stop", client_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished())
+                self._poll_cancellations()
+                if self.engine.has_unfinished():
+                    start = time.monotonic()
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        self._dispatch(out)
+                    self.observer.on_step(self, time.monotonic() - start, self.engine.stats().last_step_tokens)
+        except BaseException as err:  # noqa: BLE001 - a dead loop must be loud and fail its requests
+            LOG.exception("engine loop died")
+            self.error = err
+            self._fail_all(EngineDeadError(f"the engine failed: {err!r}"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(*item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "add":
+            self._admit(payload)
+        elif kind == "stop":
+            for sub in [s for s in self._active.values() if s.client_id == payload]:
+                self.engine.abort(sub.engine_id)
+
+    def _admit(self, sub: Submission) -> None:
+        sub.engine_id = f"{sub.client_id}#{next(self._ids)}"
+        req = sub.request
+        try:
+            self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant)
+        except Exception as err:  # noqa: BLE001 - invalid or overloaded: this request's error
+            sub.fail(err)
+            return
+        if req.stop_strings:
+            sub.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self._active[sub.engine_id] = sub
+
+    def _poll_cancellations(self) -> None:
+        for sub in list(self._active.values()):
+            if sub.is_cancelled():
+                self.engine.abort(sub.engine_id)
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        sub = self._active.get(out.request_id)
+        if sub is None:
+            return
+        if sub.detokenizer is not None and not out.finished and self._hits_stop_string(sub, out):
+            self.engine.finish(sub.engine_id, FinishReason.STOP)
+            out.finished, out.finish_reason = True, FinishReason.STOP.value
+        now = time.monotonic()
+        if out.new_token_ids:
+            if sub.last_token_at is None:
+                self.observer.on_first_token(now - sub.submitted_at)
+            else:
+                self.observer.on_token_interval(now - sub.last_token_at)
+            sub.last_token_at = now
+        if out.finished:
+            del self._active[out.request_id]
+            self.observer.on_finished(out.num_prompt_tokens, out.num_output_tokens)
+        sub.emit(out)
+
+    @staticmethod
+    def _hits_stop_string(sub: Submission, out: RequestOutput) -> bool:
+        detok = sub.detokenizer
+        piece = detok.push(out.new_token_ids)
+        longest = max(map(len, sub.request.stop_strings))
+        window = detok.text[-(len(piece) + longest - 1):] if piece else ""
+        return any(stop in window for stop in sub.request.stop_strings)
+
+    def _fail_all(self, err: Exception) -> None:
+        while True:  # submissions still in the inbox
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                payload.fail(err)
+        for engine_id, sub in list(self._active.items()):
+            del self._active[engine_id]
+            sub.fail(err)

@@ -1,0 +1,312 @@
+"""Run a real tritonserver on a model repository, from the pytriton wheel's files or the container's own.
+
+    python -m backend.launcher --model-repository model_repository [--http-port 8000 ...] [-- <server args>]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import functools
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+LOG = logging.getLogger(__name__)
+PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
+STUB = "triton_python_backend_stub"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    root: Path  # holds bin/tritonserver and backends/
+    libs_dir: Path | None = None  # the wheel's bundled shared libraries (nvidia_pytriton.libs)
+    stubs_dir: Path | None = None  # the wheel's python_backend_stubs/<X.Y>/; None: backends/python has one
+
+
+def _install_at(root: Path) -> TritonInstall:
+    stubs, libs = root / "python_backend_stubs", root.parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(root, libs if libs.is_dir() else None, stubs if stubs.is_dir() else None)
+
+
+def find_tritonserver() -> TritonInstall:
+    """$TRITONSERVER_HOME, else the container's /opt/tritonserver, else the pytriton wheel."""
+    if home := os.environ.get("TRITONSERVER_HOME"):
+        return _install_at(Path(home))
+    if Path("/opt/tritonserver/bin/tritonserver").is_file():
+        return TritonInstall(Path("/opt/tritonserver"))
+    spec = importlib.util.find_spec("pytriton")  # finding a top-level package does not run its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("no tritonserver: set TRITONSERVER_HOME, use the tritonserver container "
+                           "or `pip install --no-deps nvidia-pytriton`")
+    return _install_at(Path(spec.submodule_search_locations[0]) / "tritonserver")
+
+
+def _libpython_dir() -> Path | None:
+    """The directory the stub must load libpython from to embed *this* Python (None: ld.so's default).
+
+    Else it takes whatever libpython3.X.so.1.0 ld.so finds, e.g. Debian's 3.11.2 under pyenv's 3.11.7.
+    """
+    libdir, soname = Path(sysconfig.get_config_var("LIBDIR") or "/-"), sysconfig.get_config_var("INSTSONAME")
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and (libdir / soname).exists():
+        return None if libdir.is_relative_to("/usr/lib") or libdir.is_relative_to("/lib") else libdir
+    if ctypes.util.find_library(f"python{PY_VERSION}") is None:
+        fix = f"PYTHON_CONFIGURE_OPTS=--enable-shared pyenv install {PY_VERSION}"
+        raise RuntimeError(f"{sys.executable} is linked statically and no libpython{PY_VERSION}.so is"
+                           f" installed for the python backend stub to embed: use a shared Python ({fix})")
+    LOG.warning("%s has no shared libpython: the stub embeds the system's libpython%s",
+                sys.executable, PY_VERSION)
+    return None
+
+
+def _server_env(libs_dir: Path | None) -> dict[str, str]:
+    """The stub embeds Python in isolated mode, so PYTHONPATH and PYTHONHOME are ignored; it finds its prefix
+    by looking up `python3` on PATH. Our bin dir goes first: in a venv, pyvenv.cfg adds its site-packages."""
+    env = dict(os.environ)
+    ld_path = [str(d) for d in (_libpython_dir(), libs_dir) if d] + [env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = ":".join(filter(None, ld_path))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@functools.cache  # once per stub
+def _warn_if_stub_predates_numpy2(stub: Path) -> None:
+    """Stubs built with pybind11 < 2.12 (Triton <= 2.51, as in the pytriton 0.7 wheel) misread numpy 2 arrays:
+    pb_utils.Tensor(name, ndarray) sends 0 bytes, as_numpy() repeats element 0, BYTES inputs kill the stub.
+    pybind11 >= 2.12 names the module numpy._core, so its absence gives such a stub away."""
+    try:
+        numpy_major = int(importlib.metadata.version("numpy").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if numpy_major >= 2 and stub.is_file() and b"numpy._core" not in stub.read_bytes():
+        LOG.warning("%s predates numpy 2, which is installed: pass tensors by DLPack "
+                    "(pb_utils.Tensor.from_dlpack, np.from_dlpack) and no strings, or use numpy<2", stub)
+
+
+def prepare_runtime(install: TritonInstall, workdir: Path) -> tuple[Path, Path, dict[str, str]]:
+    """(server binary, backend directory, env); for the wheel, a backends/ tree holding this Python's stub."""
+    server_bin, env = install.root / "bin" / "tritonserver", _server_env(install.libs_dir)
+    if install.stubs_dir is None:
+        _warn_if_stub_predates_numpy2(install.root / "backends" / "python" / STUB)
+        return server_bin, install.root / "backends", env
+    stub = install.stubs_dir / PY_VERSION / STUB
+    if not stub.is_file():
+        raise RuntimeError(f"no python backend stub for Python {PY_VERSION} in {install.stubs_dir}")
+    python_dir = workdir / "backends" / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for src in (install.root / "backends" / "python").iterdir():
+        if src.is_file() and not (python_dir / src.name).exists():
+            (python_dir / src.name).symlink_to(src)
+    # A copy, not a link: when the stub fails to run, the backend chmods it to u+x only.
+    shutil.copy2(stub, python_dir / STUB)
+    _warn_if_stub_predates_numpy2(stub)
+    return server_bin, workdir / "backends", env
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process; a port given as 0 is picked free at construction. A context manager."""
+
+    model_repository: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_verbose: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    workdir: Path | None = None  # runtime tree and default log; a new temporary dir when None
+    log_path: Path | None = None
+    echo: bool = False  # also copy the server's output to stdout
+    shm_default_bytes: int = 8 * MiB  # per model instance; the backend's default is 1 MiB
+    shm_growth_bytes: int = 8 * MiB
+    exit_timeout_s: int = 10  # how long tritonserver waits for in-flight requests when stopping
+    shm_prefix: str = field(init=False)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _log: IO[bytes] | None = field(default=None, init=False, repr=False)
+    _pump: threading.Thread | None = field(default=None, init=False, repr=False)
+    _started_at: float = field(default=0.0, init=False, repr=False)
+    _own_workdir: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        picked = iter(free_ports(3))
+        ports = (self.http_port, self.grpc_port, self.metrics_port)
+        self.http_port, self.grpc_port, self.metrics_port = (port or next(picked) for port in ports)
+        self.shm_prefix = f"triton_{os.getpid()}_{secrets.token_hex(4)}_"  # unique per server on a host
+        self._own_workdir = self.workdir is None
+        self.workdir = self.workdir or Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        self.log_path = self.log_path or self.workdir / "tritonserver.log"
+
+    @property
+    def url_http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def url_grpc(self) -> str:  # host:port, as tritonclient.grpc takes it
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def url_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self) -> None:
+        assert self._proc is None and self.workdir and self.log_path, "already started"
+        server_bin, backend_dir, env = prepare_runtime(find_tritonserver(), self.workdir)
+        python_config = {"shm-region-prefix-name": self.shm_prefix,
+                         "shm-default-byte-size": self.shm_default_bytes,
+                         "shm-growth-byte-size": self.shm_growth_bytes}
+        cmd = [str(server_bin), f"--model-repository={Path(self.model_repository).resolve()}",
+               f"--backend-directory={backend_dir}", f"--http-port={self.http_port}",
+               f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+               f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={self.exit_timeout_s}",
+               *(f"--backend-config=python,{key}={value}" for key, value in python_config.items()),
+               *self.extra_args]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._started_at = time.monotonic()
+        # Own session: a terminal's Ctrl-C reaches only us, and stop() can kill the stubs with the server.
+        self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        self._pump.start()
+
+    def _copy_output(self) -> None:
+        assert self._proc and self._proc.stdout and self._log
+        for line in self._proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if self.echo:
+                sys.stdout.write(line.decode(errors="replace"))
+                sys.stdout.flush()
+
+    def log_tail(self, lines: int = 40) -> str:
+        assert self.log_path
+        if self._pump and self._proc and self._proc.poll() is not None:
+            self._pump.join(timeout=2)  # let a dead server's last lines reach the file
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        """Poll /v2/health/ready; seconds from start() to ready. Raises with the log's tail if it dies."""
+        assert self._proc is not None, "not started"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (code := self._proc.poll()) is not None:
+                raise RuntimeError(f"tritonserver exited with {code}; {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url_http}/v2/health/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - self._started_at
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"tritonserver not ready in {timeout:.0f}s; {self.log_path}:\n{self.log_tail()}")
+
+    def wait(self) -> int:
+        """Block until tritonserver exits by itself; its exit code."""
+        assert self._proc is not None, "not started"
+        return self._proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), SIGKILL to the process group if that hangs, then drop leftover shm regions."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(self.exit_timeout_s + 15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        if self._pump:
+            self._pump.join(timeout=5)
+        if self._log:
+            self._log.close()
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
+        if self._own_workdir and self.workdir:  # keep only the log
+            shutil.rmtree(self.workdir / "backends", ignore_errors=True)
+            if not any(self.workdir.iterdir()):
+                self.workdir.rmdir()
+        self._proc = None
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--http-port", type=int, default=8000, help="0 for any free port (also below)")
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--log-file", type=Path, help="default: tritonserver.log in a temporary dir")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv[:split])
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)
+    server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
+                          args.log_verbose, argv[split + 1:], log_path=args.log_file, echo=True)
+    try:
+        server.start()
+        elapsed = server.wait_ready(args.ready_timeout)
+        print(f"\ntritonserver ready in {elapsed:.1f}s, log in {server.log_path}. Try:\n"
+              f"  python -m client \"Write a haiku about GPUs\" --stream    # gRPC on {server.url_grpc}\n"
+              f"  curl -sN {server.url_http}/v2/models/ensemble/generate_stream"
+              " -d '{\"text_input\": \"Write a haiku about GPUs\", \"max_tokens\": 64}'\n"
+              f"  curl -s {server.url_metrics} | head\nCtrl-C to stop.", flush=True)
+        code = server.wait()
+        print(f"tritonserver exited with {code}", file=sys.stderr)
+        return code or 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as err:  # no server, or it died or hung while loading models
+        print(err, file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

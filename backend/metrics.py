@@ -1,0 +1,71 @@
+"""Prometheus metrics through Triton's python-backend custom-metrics API (served on the metrics port).
+
+The MetricFamily objects are kept for the model's lifetime: once a family is garbage collected,
+`Metric.set()` raises (seen in Triton 2.51), which would kill the engine loop.
+"""
+
+from __future__ import annotations
+
+from backend.engine_loop import EngineLoop, LoopObserver
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+class TritonMetrics(LoopObserver):
+    def __init__(self, pb_utils, labels: dict[str, str]):
+        fam = pb_utils.MetricFamily
+        self._families = []
+
+        def metric(name: str, doc: str, kind, extra: dict[str, str] | None = None, buckets=None):
+            family = next((f for n, f in self._families if n == name), None)
+            if family is None:
+                family = fam(name=name, description=doc, kind=kind)
+                self._families.append((name, family))
+            kwargs = {"buckets": buckets} if buckets is not None else {}
+            return family.Metric(labels={**labels, **(extra or {})}, **kwargs)
+
+        self.running = metric("llm_num_requests_running", "Sequences in the running batch", fam.GAUGE)
+        self.waiting = metric("llm_num_requests_waiting", "Sequences waiting for admission", fam.GAUGE)
+        blocks_doc = "KV cache blocks by state (cached: free but holding a reusable prefix)"
+        self.blocks = {state: metric("llm_kv_blocks", blocks_doc, fam.GAUGE, {"state": state})
+                       for state in ("total", "used", "free", "cached")}
+        self.hit_rate = metric("llm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
+                               "over prompt tokens admitted", fam.GAUGE)
+        self.preemptions = metric("llm_preemptions_total", "Sequences preempted (recompute)", fam.COUNTER)
+        self.prompt_tokens = metric("llm_prompt_tokens_total", "Prompt tokens of finished requests", fam.COUNTER)
+        self.generation_tokens = metric("llm_generation_tokens_total", "Generated tokens of finished requests",
+                                        fam.COUNTER)
+        self.step_tokens = metric("llm_step_tokens", "Tokens per engine step (batch size in tokens)",
+                                  fam.HISTOGRAM, buckets=BATCH_BUCKETS)
+        self.step_seconds = metric("llm_step_seconds", "Engine step time", fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.ttft = metric("llm_time_to_first_token_seconds", "From submission to the first token",
+                           fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.itl = metric("llm_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                          fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self._preemptions_seen = 0
+
+    def on_step(self, loop: EngineLoop, step_seconds: float, num_tokens: int) -> None:
+        s = loop.engine.stats()
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        for state, value in (("total", s.kv_blocks_total), ("used", s.kv_blocks_used),
+                             ("free", s.kv_blocks_free), ("cached", s.kv_blocks_cached)):
+            self.blocks[state].set(value)
+        self.hit_rate.set(s.prefix_cache_hit_rate)
+        if s.num_preemptions > self._preemptions_seen:
+            self.preemptions.increment(s.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = s.num_preemptions
+        if num_tokens:
+            self.step_tokens.observe(num_tokens)
+            self.step_seconds.observe(step_seconds)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_token_interval(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.prompt_tokens.increment(num_prompt_tokens)
+        self.generation_tokens.increment(num_output_tokens)

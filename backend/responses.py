@@ -1,0 +1,58 @@
+"""Engine outputs -> the llm model's response tensors, per request.
+
+Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS ids before them
+(`context_ids`) and `is_final`, which is all the stateless postprocessing needs for exact text
+(backend/detokenize.py). Streaming sends every step's tokens; otherwise one response at the end,
+holding the prompt too unless `exclude_input_in_output` (as tensorrtllm_backend does). Optional
+outputs are present only when their `return_*` input asked for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.detokenize import context_before
+from backend.engine import RequestOutput
+from backend.request_params import GenerationRequest
+
+
+def _row(values, dtype) -> np.ndarray:
+    return np.asarray(values, dtype=dtype).reshape(1, -1)
+
+
+@dataclass
+class ResponseBuilder:
+    request: GenerationRequest
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sent: int = 0
+
+    def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+        """Tensors for the response to send now, or None when this output is held (not streaming)."""
+        self.output_ids += out.new_token_ids
+        self.logprobs += [lp if lp is not None else 0.0 for lp in out.new_logprobs]
+        req = self.request
+        if not req.stream and not out.finished:
+            return None
+        new, context = self.output_ids[self.sent:], context_before(self.output_ids, self.sent)
+        new_logprobs = self.logprobs[self.sent:]
+        self.sent = len(self.output_ids)
+        if not req.stream and not req.exclude_input_in_output:
+            new, context = req.prompt_token_ids + new, []
+        tensors = {
+            "output_ids": _row(new, np.int32),
+            "context_ids": _row(context, np.int32),
+            "is_final": _row([out.finished], np.bool_),
+        }
+        if req.return_log_probs:
+            tensors["output_log_probs"] = _row(new_logprobs, np.float32)
+            tensors["cum_log_probs"] = _row([sum(self.logprobs)], np.float32)
+        if req.return_num_input_tokens:
+            tensors["num_input_tokens"] = _row([out.num_prompt_tokens], np.int32)
+        if req.return_num_output_tokens:
+            tensors["num_output_tokens"] = _row([out.num_output_tokens], np.int32)
+        if req.return_finish_reason:
+            tensors["finish_reason"] = _row([(out.finish_reason or "").encode()], np.object_)
+        return tensors
