@@ -6,6 +6,7 @@ model) hand requests to the thread that calls `step()`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -44,6 +45,30 @@ class EngineConfig:
     max_waiting: int = 1024
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     q_tile: int = 16  # attention row width for prefill chunks (see backend/batch.py)
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
+        """From string settings (config.pbtxt `parameters`); unknown keys are an error naming the key."""
+        from build_engine.prepare_model import resolve_model_dir
+
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict = {}
+        for key, text in params.items():
+            if key not in fields or key == "tenant_quotas":
+                raise ValueError(f"{key}: not an engine setting (known: {sorted(fields)})")
+            kind = str(fields[key].type)
+            if text.strip().lower() in ("", "none") and "None" in kind:
+                kwargs[key] = None
+            elif kind.startswith("bool"):
+                kwargs[key] = text.strip().lower() in ("1", "true", "yes", "on")
+            elif kind.startswith("int"):
+                kwargs[key] = int(text)
+            elif kind.startswith("float"):
+                kwargs[key] = float(text)
+            else:
+                kwargs[key] = text
+        kwargs["model"] = str(resolve_model_dir(kwargs.get("model", "default")))
+        return cls(**kwargs)
 
     def num_blocks(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         if self.num_kv_blocks is not None:

@@ -132,7 +132,7 @@ class EngineLoop:
         try:
             self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant)
         except Exception as err:  # noqa: BLE001 - invalid or overloaded: this request's error
-            sub.fail(err)
+            _safe_fail(sub, err)
             return
         if req.stop_strings:
             sub.detokenizer = IncrementalDetokenizer(self.tokenizer)
@@ -160,7 +160,12 @@ class EngineLoop:
         if out.finished:
             del self._active[out.request_id]
             self.observer.on_finished(out.num_prompt_tokens, out.num_output_tokens)
-        sub.emit(out)
+        try:
+            sub.emit(out)
+        except Exception:  # noqa: BLE001 - e.g. the client is gone: drop the request, keep serving
+            LOG.exception("sending output of %s failed; aborting it", sub.engine_id)
+            if not out.finished:
+                self.engine.abort(sub.engine_id)
 
     @staticmethod
     def _hits_stop_string(sub: Submission, out: RequestOutput) -> bool:
@@ -177,7 +182,14 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
-                payload.fail(err)
+                _safe_fail(payload, err)
         for engine_id, sub in list(self._active.items()):
             del self._active[engine_id]
-            sub.fail(err)
+            _safe_fail(sub, err)
+
+
+def _safe_fail(sub: Submission, err: Exception) -> None:
+    try:
+        sub.fail(err)
+    except Exception:  # noqa: BLE001 - nothing more can be done for this request
+        LOG.exception("sending the error of %s failed", sub.engine_id or sub.client_id)

@@ -125,3 +125,14 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),
         return_finish_reason=_scalar(inputs, "return_finish_reason", bool, False),
     )
+
+
+def parse_text(text_input: np.ndarray, allow_empty: bool = False) -> str:
+    """The `text_input` string of a request: valid UTF-8, not empty (unless the request is a `stop`)."""
+    flat = np.asarray(text_input).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequestError("text_input", f"expected one string, got shape {list(np.shape(text_input))}")
+    text = _text("text_input", flat[0])
+    if not text and not allow_empty:
+        raise InvalidRequestError("text_input", "the text is empty")
+    return text

@@ -56,3 +56,8 @@ class ResponseBuilder:
         if req.return_finish_reason:
             tensors["finish_reason"] = _row([(out.finish_reason or "").encode()], np.object_)
         return tensors
+
+    def final_empty(self) -> dict[str, np.ndarray]:
+        """The final response of a request that produced nothing (e.g. a `stop` request)."""
+        return {"output_ids": _row([], np.int32), "context_ids": _row([], np.int32),
+                "is_final": _row([True], np.bool_)}

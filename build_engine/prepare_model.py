@@ -220,3 +220,13 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def resolve_model_dir(value: str) -> Path:
+    """A model setting as written in config.pbtxt or on a command line: "default" or a folder."""
+    if value in ("", "default"):
+        return prepare_default_model(verbose=False)
+    path = Path(value).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model_dir: {path} is not an HF model folder (no config.json)")
+    return path

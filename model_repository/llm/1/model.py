@@ -1,0 +1,83 @@
+"""Triton glue for the engine (decoupled). The logic lives in backend/: engine_loop, request_params, responses."""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from backend.engine import EngineConfig, LLMEngine
+from backend.engine_loop import EngineDeadError, EngineLoop, Submission
+from backend.metrics import TritonMetrics
+from backend.request_params import parse_request
+from backend.responses import ResponseBuilder
+from backend.sampling import InvalidRequestError
+from backend.scheduler import QueueFullError
+from backend.tokenizer import load_tokenizer
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def error_response(err: Exception) -> "pb_utils.InferenceResponse":
+    if isinstance(err, InvalidRequestError):
+        code = pb_utils.TritonError.INVALID_ARG
+    elif isinstance(err, (QueueFullError, EngineDeadError)):
+        code = pb_utils.TritonError.UNAVAILABLE
+    else:
+        code = pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        self.input_names = [i["name"] for i in model_config["input"]]
+        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        config = EngineConfig.from_parameters(params)
+        self.engine = LLMEngine(config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics).start()
+        pb_utils.Logger.log_info(f"llm: {config.runtime} engine on {config.model}, "
+                                 f"{self.engine.kv.num_blocks} KV blocks of {config.block_size}, "
+                                 f"max_model_len {self.engine.max_model_len}")
+
+    def is_ready(self) -> bool:  # called by python backends that support it (not 2.51)
+        return self.loop.alive
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in self.input_names:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                req = parse_request(inputs, self.tokenizer, self.engine.model_config.eos_token_ids)
+                if req.stop:  # TensorRT-LLM's cancel: end the earlier request with this request id
+                    self.loop.stop_request(request.request_id())
+                    sender.send(_tensors_response(ResponseBuilder(req).final_empty()), flags=FINAL)
+                    continue
+                self.loop.submit(self._submission(request.request_id(), req, sender))
+            except Exception as err:  # noqa: BLE001 - this request's error; the server serves on
+                sender.send(error_response(err), flags=FINAL)
+        return None
+
+    @staticmethod
+    def _submission(client_id: str, req, sender) -> Submission:
+        builder = ResponseBuilder(req)
+
+        def emit(out):
+            tensors = builder.build(out)
+            if tensors is not None:
+                sender.send(_tensors_response(tensors), flags=FINAL if out.finished else 0)
+
+        return Submission(client_id=client_id, request=req, emit=emit,
+                          fail=lambda err: sender.send(error_response(err), flags=FINAL),
+                          is_cancelled=sender.is_cancelled)
+
+    def finalize(self):
+        self.loop.shutdown()
+
+
+def _tensors_response(tensors) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])

@@ -1,0 +1,37 @@
+"""Triton glue: text_input -> input_ids with the model's tokenizer (backend/tokenizer.py)."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.request_params import parse_text
+from backend.sampling import InvalidRequestError
+from backend.tokenizer import encode, load_tokenizer
+from build_engine.prepare_model import resolve_model_dir
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"]).get("parameters", {})
+        self.tokenizer = load_tokenizer(resolve_model_dir(params["model"]["string_value"]))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                flag = lambda name: _flag(request, name)  # noqa: E731
+                text = parse_text(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy(),
+                                  allow_empty=flag("stop"))
+                ids = encode(self.tokenizer, text, apply_chat_template=flag("apply_chat_template")) if text else []
+                out = pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+            except InvalidRequestError as err:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)))
+        return responses
+
+
+def _flag(request, name: str) -> bool:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
