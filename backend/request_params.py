@@ -8,6 +8,8 @@ ignored). Every error is an InvalidRequestError that names the field. Convention
   ends on the token that completes one, and that token's text is part of the output.
 - `bad_words` are strings; each is banned as tokenized with and without a leading space.
 - `min_length` is accepted as an alias of `min_tokens` (genai-perf sends it).
+- `exclude_input_in_output` defaults to true: Triton's OpenAI frontend never sends it and expects only
+  the completion (tensorrtllm_backend sets it at deployment; genai-perf sends true).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class GenerationRequest:
     priority: int = 0
     tenant: str | None = None
     stop_strings: list[str] = field(default_factory=list)
-    exclude_input_in_output: bool = False
+    exclude_input_in_output: bool = True
     return_log_probs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
@@ -119,7 +121,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         priority=_scalar(inputs, "priority", int, 0),
         tenant=tenant,
         stop_strings=_strings(inputs, "stop_words"),
-        exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, False),
+        exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, True),
         return_log_probs=params.logprobs,
         return_num_input_tokens=_scalar(inputs, "return_num_input_tokens", bool, False),
         return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),

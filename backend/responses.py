@@ -3,7 +3,7 @@
 Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS ids before them
 (`context_ids`) and `is_final`, which is all the stateless postprocessing needs for exact text
 (backend/detokenize.py). Streaming sends every step's tokens; otherwise one response at the end,
-holding the prompt too unless `exclude_input_in_output` (as tensorrtllm_backend does). Optional
+holding the prompt too when `exclude_input_in_output` is false. Optional
 outputs are present only when their `return_*` input asked for them.
 """
 

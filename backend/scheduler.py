@@ -72,8 +72,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"overloaded: {len(self.waiting)} requests waiting (max_waiting)")
+        """Queue a sequence; refused when more than `max_waiting` would wait beyond the free running slots."""
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.config.max_waiting + free_slots:
+            raise QueueFullError(f"overloaded: {len(self.waiting)} requests waiting (max_waiting "
+                                 f"{self.config.max_waiting})")
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:

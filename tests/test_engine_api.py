@@ -15,7 +15,7 @@ PROMPT = list(range(100, 140))
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=16, max_waiting=8))
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=16, max_waiting=8, max_num_seqs=4))
 
 
 def drain(engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]:
@@ -67,11 +67,11 @@ def test_unknown_and_duplicate_request_ids(engine):
 
 
 def test_queue_bound_answers_overloaded(engine):
-    for i in range(8):
+    for i in range(12):  # max_waiting 8 + 4 free running slots
         engine.add_request(f"q{i}", PROMPT, SamplingParams(max_tokens=1))
     with pytest.raises(QueueFullError, match="overloaded"):
-        engine.add_request("q8", PROMPT, SamplingParams(max_tokens=1))
-    assert len(drain(engine)) == 8
+        engine.add_request("q12", PROMPT, SamplingParams(max_tokens=1))
+    assert len(drain(engine)) == 12
     assert_pool_free(engine)
 
 

@@ -122,11 +122,11 @@ def test_tenant_block_quota_preempts_within_the_tenant():
 
 
 def test_waiting_queue_bound_refuses_with_overloaded():
-    sched = make(max_waiting=2)
-    sched.add(seq("a", 4))
-    sched.add(seq("b", 4))
+    sched = make(max_waiting=2, max_num_seqs=1)
+    for rid in "abc":  # 2 waiting + 1 free running slot: a burst is not refused before scheduling
+        sched.add(seq(rid, 4))
     with pytest.raises(QueueFullError, match="overloaded"):
-        sched.add(seq("c", 4))
+        sched.add(seq("d", 4))
 
 
 def test_unknown_policy_is_rejected_by_name():

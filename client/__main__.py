@@ -1,0 +1,63 @@
+"""python -m client "Write a haiku about GPUs" --stream   (prints text as it arrives, then latency stats)"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from client.client import LLMClient
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    p.add_argument("prompt")
+    p.add_argument("--url", default="localhost:8001", help="gRPC host:port (default %(default)s)")
+    p.add_argument("--model", default="ensemble", help="ensemble | llm_bls (default %(default)s)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt with the model's chat template (default on)")
+    args = p.parse_args(argv)
+
+    options = dict(max_tokens=args.max_tokens, stream=args.stream, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop_words=args.stop, apply_chat_template=args.chat_template,
+                   exclude_input_in_output=True, return_num_output_tokens=True, return_finish_reason=True)
+    client = LLMClient(args.url, args.model)
+    start = time.monotonic()
+    times, outputs = [], {}
+    chunks = client.stream(args.prompt, **options)
+    try:
+        for chunk in chunks:
+            if chunk.text:
+                print(chunk.text, end="", flush=True)
+                times.append(chunk.time)
+            outputs.update(chunk.outputs)
+    except KeyboardInterrupt:
+        chunks.close()  # sends the `stop` for this request
+        print("\n[cancelled]", file=sys.stderr)
+        return 130
+    finally:
+        client.close()
+    print()
+    elapsed = time.monotonic() - start
+    n = int(outputs["num_output_tokens"].reshape(-1)[0]) if "num_output_tokens" in outputs else len(times)
+    reason = outputs["finish_reason"].reshape(-1)[0].decode() if "finish_reason" in outputs else "?"
+    itl = [b - a for a, b in zip(times, times[1:])]
+    stats = [f"{n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s)", f"finish: {reason}"]
+    if times:
+        stats.insert(0, f"TTFT {1000 * (times[0] - start):.0f} ms")
+    if itl:
+        stats.insert(1, f"ITL mean {1000 * statistics.fmean(itl):.1f} ms")
+    print(" | ".join(stats), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

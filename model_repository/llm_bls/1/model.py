@@ -1,0 +1,117 @@
+"""Triton glue: text -> llm (BLS, streamed) -> text, forwarding client cancels to the llm as `stop`.
+
+Tokenizes and detokenizes with backend/tokenizer.py and backend/detokenize.py (stateful here: one
+thread follows the whole stream), so the text equals the ensemble's.
+"""
+
+import json
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.detokenize import IncrementalDetokenizer
+from backend.request_params import parse_text
+from backend.sampling import InvalidRequestError
+from backend.tokenizer import encode, load_tokenizer
+from build_engine.prepare_model import resolve_model_dir
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TEXT_INPUTS = ("text_input", "apply_chat_template")
+PASSTHROUGH = ("output_log_probs", "cum_log_probs", "num_input_tokens", "num_output_tokens", "finish_reason")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.input_names = [i["name"] for i in config["input"]]
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.tokenizer = load_tokenizer(resolve_model_dir(params["model"]))
+        self.llm = params.get("llm_model", "llm")
+        self.active: dict[str, set[str]] = {}  # client request id -> its llm request ids
+        self.lock = threading.Lock()
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._serve, args=(request,), daemon=True).start()
+        return None
+
+    def _serve(self, request) -> None:
+        sender = request.get_response_sender()
+        client_id = request.request_id()
+        try:
+            inputs = {}
+            for name in self.input_names:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            stop = "stop" in inputs and bool(inputs["stop"].reshape(-1)[0])
+            text = parse_text(inputs["text_input"], allow_empty=stop)
+            if stop:
+                with self.lock:
+                    targets = list(self.active.get(client_id, ()))
+                for llm_id in targets:
+                    self._stop(llm_id)
+                sender.send(_text_response("", {}), flags=FINAL)
+                return
+            chat = "apply_chat_template" in inputs and bool(inputs["apply_chat_template"].reshape(-1)[0])
+            ids = np.asarray(encode(self.tokenizer, text, apply_chat_template=chat), dtype=np.int32).reshape(1, -1)
+            self._generate(client_id, ids, inputs, sender)
+        except InvalidRequestError as err:
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+        except Exception as err:  # noqa: BLE001 - this request's error; the model serves on
+            pb_utils.Logger.log_error(f"llm_bls: {err!r}")
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"llm_bls: {err}", pb_utils.TritonError.INTERNAL)), flags=FINAL)
+
+    def _generate(self, client_id: str, ids: np.ndarray, inputs: dict, sender) -> None:
+        llm_id = f"bls-{uuid.uuid4().hex}"
+        tensors = [pb_utils.Tensor("input_ids", ids)]
+        tensors += [pb_utils.Tensor(n, v) for n, v in inputs.items() if n not in TEXT_INPUTS]
+        request = pb_utils.InferenceRequest(model_name=self.llm, inputs=tensors, request_id=llm_id,
+                                            requested_output_names=["output_ids", "is_final", *PASSTHROUGH])
+        with self.lock:
+            self.active.setdefault(client_id, set()).add(llm_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        cancelled = False
+        try:
+            for response in request.exec(decoupled=True):
+                if response.has_error():
+                    if not cancelled:
+                        sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
+                    return
+                outs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+                if not outs:
+                    continue
+                if not cancelled and sender.is_cancelled():
+                    cancelled = True  # the engine frees the sequence at its next step
+                    self._stop(llm_id)
+                final = bool(outs["is_final"].reshape(-1)[0])
+                text = detokenizer.push(outs["output_ids"].reshape(-1).tolist(), final=final)
+                if not cancelled:
+                    sender.send(_text_response(text, outs), flags=FINAL if final else 0)
+                if final:
+                    return
+        finally:
+            with self.lock:
+                self.active[client_id].discard(llm_id)
+                if not self.active[client_id]:
+                    del self.active[client_id]
+            if cancelled:
+                sender.send(flags=FINAL)
+
+    def _stop(self, llm_id: str) -> None:
+        stop = pb_utils.InferenceRequest(
+            model_name=self.llm, request_id=llm_id, requested_output_names=["is_final"],
+            inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 0), np.int32)),
+                    pb_utils.Tensor("stop", np.array([[True]]))])
+        for _ in stop.exec(decoupled=True):
+            pass
+
+
+def _text_response(text: str, outs: dict) -> "pb_utils.InferenceResponse":
+    tensors = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+    tensors += [pb_utils.Tensor(n, outs[n]) for n in PASSTHROUGH if n in outs]
+    return pb_utils.InferenceResponse(output_tensors=tensors)

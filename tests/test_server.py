@@ -1,0 +1,268 @@
+"""The product, end to end: a real tritonserver on the model repository (tiny model), through tritonclient."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backend.detokenize import decode_text
+from backend.engine import EngineConfig, LLMEngine
+from backend.sampling import SamplingParams
+from backend.tokenizer import encode, load_tokenizer
+from client.client import LLMClient, build_inputs
+
+PROMPTS = ["Hello there", "你好,世界。今天天气很好", "I ❤️ 🦙 and 👨‍👩‍👧", "def f(x):\n    return x * 2",
+           "The quick brown fox jumps over the lazy dog. " * 6]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tokenizer):
+    """Offline engine text for a prompt: what every serving path must reproduce."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+    cache: dict[tuple[str, int], str] = {}
+
+    def text(prompt: str, max_tokens: int) -> str:
+        if (prompt, max_tokens) not in cache:
+            ids = encode(tokenizer, prompt, apply_chat_template=False)
+            out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+            cache[prompt, max_tokens] = decode_text(tokenizer, out)
+        return cache[prompt, max_tokens]
+
+    return text
+
+
+def grpc_url(server) -> str:
+    return server.url_grpc
+
+
+def metrics(server) -> dict[str, float]:
+    body = urllib.request.urlopen(server.url_metrics, timeout=10).read().decode()
+    values = {}
+    for line in body.splitlines():
+        if line.startswith("llm_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = re.sub(r'(model|version)="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")
+            values[name] = float(value)
+    return values
+
+
+def wait_until_idle(server, timeout: float = 10.0) -> dict[str, float]:
+    """The engine has nothing running and every KV block is free (read from the metrics port)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m.get("llm_num_requests_running") == 0 and m.get('llm_kv_blocks{state="used"}') == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle after {timeout} s: {m}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_streamed_equals_non_streamed_equals_engine(server, reference, model, prompt):
+    with LLMClient(grpc_url(server), model) as client:
+        streamed = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True)
+        whole = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=False)
+    assert streamed.text == whole.text == reference(prompt, 24)
+    assert len(streamed.chunk_times) > 1 and len(whole.chunk_times) == 1
+
+
+def test_non_streamed_echoes_the_prompt_when_asked(server, tokenizer, reference):
+    prompt = PROMPTS[1]
+    with LLMClient(grpc_url(server)) as client:
+        result = client.generate(prompt, max_tokens=8, ignore_eos=True, exclude_input_in_output=False)
+    assert result.text.startswith(prompt) and result.text.endswith(reference(prompt, 8))
+
+
+def test_http_generate_and_generate_stream(server, reference):
+    prompt = PROMPTS[2]
+    body = json.dumps({"text_input": prompt, "max_tokens": 16, "ignore_eos": True}).encode()
+    url = f"{server.url_http}/v2/models/ensemble"
+    out = json.loads(urllib.request.urlopen(urllib.request.Request(f"{url}/generate", body), timeout=60).read())
+    assert out["text_output"] == reference(prompt, 16)
+    body = json.dumps({"text_input": prompt, "max_tokens": 16, "ignore_eos": True, "stream": True}).encode()
+    events = urllib.request.urlopen(urllib.request.Request(f"{url}/generate_stream", body), timeout=60).read()
+    pieces = [json.loads(line[5:]) for line in events.decode().splitlines() if line.startswith("data:")]
+    assert len(pieces) > 1 and "".join(p["text_output"] for p in pieces) == reference(prompt, 16)
+
+
+def test_32_concurrent_streams_all_finish_correctly(server, reference):
+    jobs = [(f"Request {i}: {PROMPTS[i % len(PROMPTS)]}", 8 + i % 17) for i in range(32)]
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            with LLMClient(grpc_url(server)) as client:
+                results[i] = client.generate(jobs[i][0], max_tokens=jobs[i][1], ignore_eos=True, stream=True).text
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert [results[i] for i in range(32)] == [reference(p, n) for p, n in jobs]
+    wait_until_idle(server)
+
+
+def test_optional_outputs_only_when_asked(server):
+    with LLMClient(grpc_url(server)) as client:
+        plain = client.generate("Hi", max_tokens=4)
+        full = client.generate("Hi", max_tokens=4, ignore_eos=True, return_log_probs=True,
+                               return_num_input_tokens=True, return_num_output_tokens=True, return_finish_reason=True)
+    assert plain.outputs == {}
+    assert int(full.outputs["num_output_tokens"].reshape(-1)[0]) == 4
+    assert int(full.outputs["num_input_tokens"].reshape(-1)[0]) == 1
+    assert full.finish_reason == "length"
+    assert full.outputs["output_log_probs"].size == 4 and np.all(full.outputs["output_log_probs"] <= 0)
+
+
+def test_stop_words_end_generation_across_tokens(server, reference):
+    text = reference(PROMPTS[0], 24)
+    stop = text[5:9]  # four characters that very likely span a token boundary
+    with LLMClient(grpc_url(server)) as client:
+        result = client.generate(PROMPTS[0], max_tokens=24, ignore_eos=True, stop_words=[stop],
+                                 return_finish_reason=True)
+    assert result.finish_reason == "stop"
+    assert stop in result.text and result.text.find(stop) + len(stop) <= len(result.text)
+    assert text.startswith(result.text)
+
+
+def test_seed_gives_reproducible_samples(server):
+    with LLMClient(grpc_url(server)) as client:
+        a, b, c = (client.generate("Hi", max_tokens=12, ignore_eos=True, temperature=1.0, top_k=40, seed=s).text
+                   for s in (7, 7, 8))
+    assert a == b != c
+
+
+def test_genai_perf_and_openai_frontend_payloads(server):
+    with LLMClient(grpc_url(server)) as client:
+        # genai-perf (tensorrtllm backend): text_input, max_tokens, stream, exclude_input_in_output, min_length
+        genai = client.generate("Hi", max_tokens=10, stream=True, exclude_input_in_output=True, min_length=10,
+                                return_num_output_tokens=True)
+        # Triton's OpenAI frontend, TRT-LLM format
+        openai = client.generate("Hi", max_tokens=10, stream=True, stop_words=["\n\n"], top_p=0.9,
+                                 frequency_penalty=0.0, presence_penalty=0.0, seed=1, temperature=0.0,
+                                 return_num_input_tokens=True, return_num_output_tokens=True)
+    assert int(genai.outputs["num_output_tokens"].reshape(-1)[0]) == 10 and genai.text
+    assert int(openai.outputs["num_input_tokens"].reshape(-1)[0]) == 1 and openai.text
+
+
+BAD_INPUTS = [
+    ("", {}, "text_input"),
+    (b"\xff\xfe not utf-8", {}, "text_input"),
+    ("hello " * 1100, {}, "prompt"),
+    ("Hi", {"max_tokens": 0}, "max_tokens"),
+    ("Hi", {"max_tokens": 5000}, "max_tokens"),
+    ("Hi", {"top_p": 0.0}, "top_p"),
+    ("Hi", {"top_p": 1.5}, "top_p"),
+    ("Hi", {"temperature": -1.0}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
+@pytest.mark.parametrize("prompt, options, field", BAD_INPUTS)
+def test_bad_input_gets_an_error_naming_the_field_and_the_server_serves_on(server, model, prompt, options, field):
+    with LLMClient(grpc_url(server), model) as client:
+        with pytest.raises(InferenceServerException, match=field):
+            client.generate(prompt, **options)
+        assert client.generate("Hi", max_tokens=3, ignore_eos=True).text
+
+
+def test_wrong_dtype_is_rejected_by_name(server):
+    client = grpcclient.InferenceServerClient(grpc_url(server))
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put(error))
+    wrong = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    wrong.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
+    client.async_stream_infer("ensemble", build_inputs("Hi") + [wrong])
+    error = responses.get(timeout=30)
+    client.stop_stream()
+    assert error is not None and "max_tokens" in str(error) and "expects 'INT32'" in str(error)
+
+
+def test_overload_answers_overloaded_and_serves_the_rest(server):
+    n = 90  # 48 running + 16 waiting can be accepted
+    outcomes: list[str] = []
+
+    def run() -> None:
+        with LLMClient(grpc_url(server)) as client:
+            try:
+                result = client.generate("Hi", max_tokens=24, ignore_eos=True, return_num_output_tokens=True)
+                outcomes.append(f"ok {int(result.outputs['num_output_tokens'].reshape(-1)[0])}")
+            except InferenceServerException as err:
+                outcomes.append("overloaded" if "overloaded" in str(err) else f"error {err}")
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(outcomes) == n
+    assert set(outcomes) == {"ok 24", "overloaded"}, sorted(set(outcomes))
+    wait_until_idle(server)
+
+
+def _first_chunks_then(client: LLMClient, prompt: str, n: int, **options):
+    chunks = client.stream(prompt, max_tokens=900, ignore_eos=True, stream=True, return_finish_reason=True, **options)
+    for _ in range(n):
+        next(chunks)
+    return chunks
+
+
+def test_cancel_through_the_ensemble_with_stop_frees_kv(server):
+    with LLMClient(grpc_url(server), "ensemble") as client:
+        chunks = _first_chunks_then(client, "Tell me a long story", 3)
+        assert metrics(server)['llm_kv_blocks{state="used"}'] > 0
+        client.cancel()
+        rest = list(chunks)
+    assert rest[-1].final
+    reasons = {c.outputs["finish_reason"].reshape(-1)[0].decode() for c in rest if "finish_reason" in c.outputs}
+    assert "cancelled" in reasons
+    wait_until_idle(server, timeout=2.0)
+
+
+def test_cancel_of_llm_bls_stream_frees_kv(server):
+    client = LLMClient(grpc_url(server), "llm_bls")
+    chunks = _first_chunks_then(client, "Tell me a long story", 3)
+    assert metrics(server)['llm_kv_blocks{state="used"}'] > 0
+    client._grpc.stop_stream(cancel_requests=True)  # what a client disconnect does: no `stop` is sent
+    client._active_id = None
+    wait_until_idle(server, timeout=2.0)
+    client.close()
+    del chunks
+
+
+def test_direct_llm_sees_grpc_cancel_and_frees_kv(server, tokenizer):
+    client = grpcclient.InferenceServerClient(grpc_url(server))
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    prompt = np.array([encode(tokenizer, "Tell me a story", False)], dtype=np.int32)
+    ids = grpcclient.InferInput("input_ids", list(prompt.shape), "INT32")
+    ids.set_data_from_numpy(prompt)
+    client.async_stream_infer("llm", [ids] + build_inputs("", max_tokens=900, stream=True, ignore_eos=True)[1:],
+                              request_id="direct", enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = responses.get(timeout=30)
+        assert error is None and result.as_numpy("output_ids").size == 1
+    client.stop_stream(cancel_requests=True)
+    wait_until_idle(server, timeout=2.0)
+    client.close()
