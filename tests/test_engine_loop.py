@@ -1,0 +1,133 @@
+"""The engine thread: ordering, exactly one end per request, stop by client id, stop strings, death."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from backend.detokenize import decode_text
+from backend.engine import EngineConfig, LLMEngine
+from backend.engine_loop import EngineDeadError, EngineLoop, Submission
+from backend.request_params import GenerationRequest
+from backend.sampling import SamplingParams
+from backend.tokenizer import load_tokenizer
+from backend.runners.torch_runner import TorchRunner
+
+PROMPT = list(range(200, 230))
+
+
+class Recorder:
+    """Collects what a submission receives; `done` is set on its one and only end."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.reasons: list[str | None] = []
+        self.errors: list[Exception] = []
+        self.ends = 0
+        self.done = threading.Event()
+
+    def emit(self, out) -> None:
+        self.tokens += out.new_token_ids
+        if out.finished:
+            self.reasons.append(out.finish_reason)
+            self._end()
+
+    def fail(self, err: Exception) -> None:
+        self.errors.append(err)
+        self._end()
+
+    def _end(self) -> None:
+        self.ends += 1
+        self.done.set()
+
+
+def submit(loop: EngineLoop, client_id: str = "c", max_tokens: int = 8, **request) -> Recorder:
+    rec = Recorder()
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True), stream=True, **request)
+    loop.submit(Submission(client_id, req, rec.emit, rec.fail))
+    return rec
+
+
+@pytest.fixture
+def loop(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+    loop = EngineLoop(engine, load_tokenizer(tiny_model_dir)).start()
+    yield loop
+    loop.shutdown()
+
+
+def test_requests_stream_in_order_and_end_once(loop, tiny_model_dir):
+    expected = LLMEngine(EngineConfig(model=str(tiny_model_dir))).generate(
+        [PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    recs = [submit(loop, f"c{i}") for i in range(5)]
+    for rec in recs:
+        assert rec.done.wait(30)
+        assert rec.tokens == expected and rec.reasons == ["length"] and rec.ends == 1
+    assert loop.num_active == 0 and loop.engine.kv.num_used_blocks == 0
+
+
+def test_stop_by_client_id_cancels_every_request_with_it(loop):
+    a, b, other = submit(loop, "x", max_tokens=500), submit(loop, "x", max_tokens=500), submit(loop, "y", 6)
+    loop.stop_request("x")
+    for rec in (a, b, other):
+        assert rec.done.wait(30) and rec.ends == 1
+    assert a.reasons == b.reasons == ["cancelled"] and other.reasons == ["length"]
+
+
+def test_client_cancellation_is_polled(loop):
+    cancelled = threading.Event()
+    rec = Recorder()
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True), stream=True)
+    loop.submit(Submission("c", req, rec.emit, rec.fail, is_cancelled=cancelled.is_set))
+    cancelled.set()
+    assert rec.done.wait(30) and rec.reasons == ["cancelled"] and len(rec.tokens) < 500
+    assert loop.engine.kv.num_used_blocks == 0
+
+
+def test_stop_string_ends_generation(loop, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    full = submit(loop, max_tokens=16)
+    assert full.done.wait(30)
+    text = decode_text(tokenizer, full.tokens)
+    stop = text[6:9]
+    rec = submit(loop, max_tokens=16, stop_strings=[stop])
+    assert rec.done.wait(30) and rec.reasons == ["stop"]
+    got = decode_text(tokenizer, rec.tokens)
+    assert stop in got and text.startswith(got) and len(rec.tokens) < 16
+
+
+def test_invalid_request_fails_alone(loop):
+    bad = Recorder()
+    loop.submit(Submission("bad", GenerationRequest([], SamplingParams()), bad.emit, bad.fail))
+    good = submit(loop)
+    assert bad.done.wait(30) and "prompt_token_ids" in str(bad.errors[0])
+    assert good.done.wait(30) and good.reasons == ["length"]
+
+
+class FailingRunner:
+    """The real runner, failing on a chosen call: what a runtime error in a forward looks like."""
+
+    def __init__(self, inner: TorchRunner, fail_at: int):
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+        self.model_config, self.num_blocks, self.block_size = inner.model_config, inner.num_blocks, inner.block_size
+
+    def forward(self, batch):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected forward failure")
+        return self.inner.forward(batch)
+
+
+def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
+    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=3)
+    loop = EngineLoop(LLMEngine(config, runner=runner)).start()
+    recs = [submit(loop, f"c{i}", max_tokens=50) for i in range(3)]
+    for rec in recs:
+        assert rec.done.wait(30) and rec.ends == 1
+        assert rec.errors and "injected forward failure" in str(rec.errors[0])
+    assert not loop.alive
+    with pytest.raises(EngineDeadError, match="not running"):
+        submit(loop)
+    loop.shutdown()
