@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv model test test-slow serve bench clean
+.PHONY: venv model test test-slow serve clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: model
 
 test-slow: model
 	$(BIN)/python -m pytest -q -m slow
+
+# A real tritonserver (from the nvidia-pytriton wheel here; the image's own in Docker) on model_repository/.
+serve: model
+	$(BIN)/python -m backend.launcher --model-repository model_repository
 
 clean:
 	rm -rf $(VENV) .cache
