@@ -283,11 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--log-file", type=Path, help="default: tritonserver.log in a temporary dir")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--auto-complete-config", action="store_true",
+                        help="let Triton complete configs (it then loads each python model twice; ours are complete)")
     args = parser.parse_args(argv[:split])
+    extra = argv[split + 1:] + ([] if args.auto_complete_config else ["--disable-auto-complete-config"])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)
     server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
-                          args.log_verbose, argv[split + 1:], log_path=args.log_file, echo=True)
+                          args.log_verbose, extra, log_path=args.log_file, echo=True)
     try:
         server.start()
         elapsed = server.wait_ready(args.ready_timeout)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         client.close()
-    print()
+    print(flush=True)
     elapsed = time.monotonic() - start
     n = int(outputs["num_output_tokens"].reshape(-1)[0]) if "num_output_tokens" in outputs else len(times)
     reason = outputs["finish_reason"].reshape(-1)[0].decode() if "finish_reason" in outputs else "?"
