@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv model test test-slow serve clean
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+$(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q -r requirements.txt -r requirements-load.txt -r requirements-bench.txt
 	$(BIN)/pip install -q --no-deps -r requirements-nodeps.txt
 	# the stub's interpreter runs isolated (PYTHONPATH is ignored): make backend/ importable from the venv
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
@@ -32,3 +32,34 @@ serve: model
 
 clean:
 	rm -rf $(VENV) .cache
+
+# ---- load test (issue 5): locust against a RUNNING server (start one with `make serve`) ----
+# make load [LOAD_HOST=127.0.0.1:8001] [LOAD_METRICS=http://127.0.0.1:8002/metrics] [LOAD_USERS=32]
+#           [LOAD_TIME=60s] [LOAD_SHAPE=constant|step|poisson] [LOAD_PROTOCOL=grpc|http]
+#           [LOAD_ARGS="--prompt-set shared-system --max-tokens 16-128 --rate 4"]
+# LOAD_PROTOCOL=http wants LOAD_HOST=http://127.0.0.1:8000. Writes locust's CSVs, HTML report and log to
+# $(LOAD_OUT), prints a summary, and the engine's KV blocks (and a local server's memory) before and after.
+LOAD_HOST ?= 127.0.0.1:8001
+LOAD_METRICS ?= http://127.0.0.1:8002/metrics
+LOAD_USERS ?= 32
+LOAD_TIME ?= 60s
+LOAD_SHAPE ?= constant
+LOAD_PROTOCOL ?= grpc
+LOAD_ARGS ?=
+LOAD_OUT ?= results/load
+LOAD_STATS = $(BIN)/python -m load_tests.server_stats --metrics-url $(LOAD_METRICS) \
+	--port $(lastword $(subst :, ,$(LOAD_HOST)))
+
+.PHONY: load
+
+load: venv
+	mkdir -p $(LOAD_OUT)
+	$(LOAD_STATS) --label start
+	LOAD_SHAPE=$(LOAD_SHAPE) LOAD_PROTOCOL=$(LOAD_PROTOCOL) $(BIN)/locust -f load_tests/locustfile.py --headless --only-summary \
+		-H $(LOAD_HOST) -u $(LOAD_USERS) -r $(LOAD_USERS) -t $(LOAD_TIME) $(LOAD_ARGS) \
+		--csv $(LOAD_OUT)/load --html $(LOAD_OUT)/load.html > $(LOAD_OUT)/locust.log 2>&1; \
+	status=$$?; \
+	$(BIN)/python -m load_tests.summarize $(LOAD_OUT)/load_stats.csv || status=1; \
+	$(LOAD_STATS) --label end --wait-idle 30 || status=1; \
+	echo "report: $(LOAD_OUT)/load.html, locust log: $(LOAD_OUT)/locust.log"; \
+	exit $$status
