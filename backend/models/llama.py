@@ -154,8 +154,11 @@ def _paged_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfi
     Q = rows.token_index.shape[1]
     C = B * cache_k.shape[1]
     # [num_blocks, block_size, KVH, D] -> the rows' keys [R*C, KVH, D], then the new keys into their slots.
-    keys = cache_k[rows.block_tables].reshape(R * C, KVH, D).index_copy(0, rows.kv_dst, k[rows.kv_src])
-    values = cache_v[rows.block_tables].reshape(R * C, KVH, D).index_copy(0, rows.kv_dst, v[rows.kv_src])
+    # The gather makes a fresh tensor, so the scatter can be in place (out of place would copy it again).
+    keys = cache_k[rows.block_tables].reshape(R * C, KVH, D)
+    keys.index_copy_(0, rows.kv_dst, k[rows.kv_src])
+    values = cache_v[rows.block_tables].reshape(R * C, KVH, D)
+    values.index_copy_(0, rows.kv_dst, v[rows.kv_src])
     visible = torch.arange(C, device=q.device).view(1, 1, C) <= rows.query_positions.unsqueeze(-1)  # [R, Q, C]
     # Fused attention on strided views: no score tensor, no layout copies (4.5x the unfused version here).
     out = nn.functional.scaled_dot_product_attention(
