@@ -108,7 +108,23 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
         from backend.runners.torch_runner import TorchRunner
 
         return TorchRunner(config.model, config.dtype, num_blocks, config.block_size, config.device)
-    raise ValueError(f"runtime: unknown runtime {config.runtime!r} (expected torch)")
+    if config.runtime == "onnxruntime":
+        from backend.runners.onnx_runner import OnnxRunner, check_supported
+        from build_engine.export_onnx import cached_engine_dir
+
+        check_supported(config.device, config.dtype)  # before minutes of export
+        engine_dir = config.engine_dir or cached_engine_dir(config.model, config.dtype)
+        return OnnxRunner(engine_dir, config.model, config.dtype, num_blocks, config.block_size, config.device)
+    if config.runtime == "tensorrt":
+        if config.engine_dir is None:
+            raise ValueError("engine_dir: runtime tensorrt needs a built plan "
+                             "(python -m build_engine --runtime tensorrt --output DIR)")
+        from backend.runners.tensorrt_runner import TensorRTRunner
+
+        return TensorRTRunner(config.engine_dir, config.model, config.dtype, num_blocks, config.block_size,
+                              max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                              q_tile=config.q_tile, max_model_len=config.max_model_len, device=config.device)
+    raise ValueError(f"runtime: unknown runtime {config.runtime!r} (expected torch, onnxruntime or tensorrt)")
 
 
 class LLMEngine:

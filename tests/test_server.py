@@ -266,3 +266,22 @@ def test_direct_llm_sees_grpc_cancel_and_frees_kv(server, tokenizer):
     client.stop_stream(cancel_requests=True)
     wait_until_idle(server, timeout=2.0)
     client.close()
+
+
+@pytest.fixture(scope="module")
+def onnx_server(tmp_path_factory, tiny_model_dir):
+    from tests.conftest import LLM_TEST_SETTINGS, start_server
+
+    settings = {**LLM_TEST_SETTINGS, "runtime": "onnxruntime"}  # exports the graph on first load
+    with start_server(tmp_path_factory.mktemp("repo_onnx"), tiny_model_dir, settings) as srv:
+        srv.wait_ready(600)
+        yield srv
+
+
+@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
+def test_onnxruntime_runner_serves_the_same_text(onnx_server, reference, model):
+    with LLMClient(grpc_url(onnx_server), model) as client:
+        for prompt in PROMPTS[:3]:
+            streamed = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True)
+            whole = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=False)
+            assert streamed.text == whole.text == reference(prompt, 24)
