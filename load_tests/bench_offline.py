@@ -47,7 +47,8 @@ SYSTEMS = ("engine", "hf_static", "hf_cb", "vllm")
 BASELINES = ("hf_cb", "vllm")  # the table shows each system's ratio to these
 STATIC_BATCH = 8
 RSS_CHECK_REQUESTS = 1000
-RSS_CHECK_OUTPUT_LEN = (4, 32)  # short outputs keep 1,000 requests to minutes; prompts as in the workload
+RSS_CHECK_PROMPT_LEN = (16, 64)  # short requests keep 1,000 of them to minutes
+RSS_CHECK_OUTPUT_LEN = (4, 16)
 HF_CB_MAX_BATCH_TOKENS = 512  # tokens per step, as our engine's default max_num_batched_tokens
 HF_CB_PAGE_SIZE = 256  # HF's default page size
 
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         save_workload(requests, workload)
         rss_check = Path(tmp) / "rss_check.json" if args.rss_check else None
         if rss_check is not None:
-            more = make_workload(RSS_CHECK_REQUESTS, output_len=RSS_CHECK_OUTPUT_LEN, vocab_size=vocab_size,
+            more = make_workload(RSS_CHECK_REQUESTS, RSS_CHECK_PROMPT_LEN, RSS_CHECK_OUTPUT_LEN, vocab_size,
                                  seed=args.seed + 1, exclude_ids=special)
             save_workload(more, rss_check)
         for dtype in dtypes:

@@ -64,7 +64,8 @@ def token_range(text: str) -> tuple[int, int]:
 @events.init_command_line_parser.add_listener
 def _add_options(parser) -> None:
     group = parser.add_argument_group("LLM load test (load_tests/locustfile.py)")
-    group.add_argument("--model", default="ensemble", env_var="LOCUST_MODEL", help="Triton model [LOCUST_MODEL]")
+    group.add_argument("--model", default="ensemble", env_var="LOCUST_MODEL",
+                       help="Triton model [LOCUST_MODEL]")
     group.add_argument("--prompt-set", default="chat", choices=list(PROMPT_SETS), env_var="LOCUST_PROMPT_SET",
                        help="[LOCUST_PROMPT_SET] see load_tests/prompts.py")
     group.add_argument("--prompt-seed", type=int, default=0, env_var="LOCUST_PROMPT_SEED",
@@ -72,7 +73,8 @@ def _add_options(parser) -> None:
     group.add_argument("--max-tokens", default="16-128", env_var="LOCUST_MAX_TOKENS",
                        help="max_tokens per request, drawn uniformly from LOW-HIGH, or N [LOCUST_MAX_TOKENS]")
     group.add_argument("--stop-at-eos", action="store_true", env_var="LOCUST_STOP_AT_EOS",
-                       help="let EOS end a generation (default: ignore_eos, exactly max_tokens) [LOCUST_STOP_AT_EOS]")
+                       help="let EOS end a generation (default: ignore_eos, exactly max_tokens) "
+                       "[LOCUST_STOP_AT_EOS]")
     group.add_argument("--rate", type=float, default=0.0, env_var="LOCUST_RATE",
                        help="requests/s of all users together, open loop; 0: closed loop [LOCUST_RATE]")
     group.add_argument("--request-timeout", type=float, default=120.0, env_var="LOCUST_REQUEST_TIMEOUT",
@@ -111,7 +113,7 @@ class StreamingUser(User):
         if options.rate <= 0:
             self.one_request()
             return
-        # Arrival times on the clock, not sleeps end to end: a late wake-up (a busy CPU) must not lower the rate.
+        # Arrivals on the clock, not sleeps end to end: a late wake-up (busy CPU) must not lower the rate.
         self.next_arrival += self.rng.expovariate(options.rate / (options.num_users or 1))
         gevent.sleep(max(0.0, self.next_arrival - time.monotonic()))
         self.in_flight.spawn(self.one_request)

@@ -97,17 +97,19 @@ days; express delivery takes one to two business days and costs 9.90 euros. Orde
 3. Customers may return unused items within 30 days of delivery for a full refund. Worn footwear and opened
 sleeping pads cannot be returned unless they are defective. Refunds reach the original payment method within
 seven days after the return arrives at the warehouse.
-4. Every tent, backpack and jacket has a two-year warranty against manufacturing defects. The warranty does not
-cover normal wear, accidents or damage from improper use. Ask for the order number and a photo of the defect.
-5. Never promise delivery dates for items marked as pre-order; say that the product page shows the expected date.
-6. Sizes: our jackets run small, so recommend one size up for layering. Boots fit true to size; hiking socks come
-in three sizes, S (36-39), M (40-43) and L (44-47).
+4. Every tent, backpack and jacket has a two-year warranty against manufacturing defects. The warranty does
+not cover normal wear, accidents or damage from improper use. Ask for the order number and a photo of the
+defect.
+5. Never promise delivery dates for items marked as pre-order; say that the product page shows the expected
+date.
+6. Sizes: our jackets run small, so recommend one size up for layering. Boots fit true to size; hiking socks
+come in three sizes, S (36-39), M (40-43) and L (44-47).
 7. Payments: we accept credit cards, PayPal and bank transfer. Bank transfers delay shipping until the payment
 arrives, usually one to two business days.
 8. Loyalty program: members collect one point per euro spent; 100 points give a 5 euro voucher. Points expire
 after two years. Vouchers cannot be combined with other discount codes.
-9. Never ask for a full credit card number, a password or a security code. If the customer shares one, tell them
-to remove it and to contact their bank if they are worried.
+9. Never ask for a full credit card number, a password or a security code. If the customer shares one, tell
+them to remove it and to contact their bank if they are worried.
 10. If a question is outside these rules, say that a human colleague will answer by email within one business
 day, and ask for the customer's order number or email address.
 11. Do not discuss competitors, politics or medical advice. For injuries in the outdoors, tell the customer to
@@ -133,7 +135,8 @@ CUSTOMER_QUESTIONS = [
 
 def synthetic_prompts(num: int, seed: int) -> list[Prompt]:
     rng = random.Random(seed)
-    lengths = (min(400, max(4, round(rng.lognormvariate(mu=4.1, sigma=0.8)))) for _ in range(num))  # e^4.1 ~ 60
+    # log-normal word counts, median e^4.1 ~ 60, clipped to 4..400
+    lengths = (min(400, max(4, round(rng.lognormvariate(mu=4.1, sigma=0.8)))) for _ in range(num))
     return [Prompt(" ".join(rng.choices(WORDS, k=n)), chat=False) for n in lengths]
 
 
@@ -144,7 +147,8 @@ def chat_prompts(num: int, seed: int) -> list[Prompt]:
 
 def shared_system_prompts(num: int, seed: int) -> list[Prompt]:
     rng = random.Random(seed)
-    return [Prompt(f"{SYSTEM_PROMPT}\n\nCustomer: {rng.choice(CUSTOMER_QUESTIONS)}", chat=True) for _ in range(num)]
+    return [Prompt(f"{SYSTEM_PROMPT}\n\nCustomer: {rng.choice(CUSTOMER_QUESTIONS)}", chat=True)
+            for _ in range(num)]
 
 
 PROMPT_SETS: dict[str, Callable[[int, int], list[Prompt]]] = {

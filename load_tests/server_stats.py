@@ -46,12 +46,13 @@ class EngineState:
     @classmethod
     def read(cls, metrics_url: str) -> EngineState:
         m = read_metrics(metrics_url)
+        keys = ["llm_num_requests_running", "llm_num_requests_waiting",
+                *(f'llm_kv_blocks{{state="{s}"}}' for s in ("used", "free", "cached", "total"))]
         try:
-            return cls(*(int(m[k]) for k in ("llm_num_requests_running", "llm_num_requests_waiting",
-                                             'llm_kv_blocks{state="used"}', 'llm_kv_blocks{state="free"}',
-                                             'llm_kv_blocks{state="cached"}', 'llm_kv_blocks{state="total"}')))
+            return cls(*(int(m[k]) for k in keys))
         except KeyError as err:
-            raise RuntimeError(f"{metrics_url} has no {err.args[0]} (has the llm model served a step yet?)") from None
+            raise RuntimeError(f"{metrics_url} has no {err.args[0]} (has the llm model served a step yet?)") \
+                from None
 
     @property
     def idle(self) -> bool:
@@ -59,8 +60,11 @@ class EngineState:
         return self.running == self.waiting == self.kv_used == 0 and self.kv_free == self.kv_total
 
     def __str__(self) -> str:
-        return (f"running {self.running}, waiting {self.waiting}; KV blocks used {self.kv_used}, "
-                f"free {self.kv_free} (cached {self.kv_cached}) of {self.kv_total}")
+        requests = f"running {self.running}, waiting {self.waiting}"
+        if self.kv_total == 0:  # engine steps set the gauges
+            return f"{requests}; no KV blocks reported yet (no engine step)"
+        return (f"{requests}; KV blocks used {self.kv_used}, free {self.kv_free} (cached {self.kv_cached}) "
+                f"of {self.kv_total}")
 
 
 def wait_idle(metrics_url: str, timeout: float) -> EngineState:
@@ -86,7 +90,8 @@ def find_tritonserver(port: int) -> int | None:
             args = _cmdline(pid)
         except OSError:
             continue
-        if args and args[0].endswith("tritonserver") and {f"--grpc-port={port}", f"--http-port={port}"} & set(args):
+        ports = {f"--grpc-port={port}", f"--http-port={port}"}
+        if args and args[0].endswith("tritonserver") and ports & set(args):
             return pid
     return None
 
@@ -135,9 +140,10 @@ class TreeMemory:
         pids = descendants(pid)
         for p in pids:
             try:
-                fields = dict(line.split(":", 1) for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()[1:])
+                lines = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()[1:]
             except OSError:  # exited meanwhile
                 continue
+            fields = dict(line.split(":", 1) for line in lines)
             rss += int(fields["Rss"].split()[0])
             pss += int(fields["Pss"].split()[0])
         return cls(len(pids), rss / 1024, pss / 1024)
@@ -149,7 +155,8 @@ class TreeMemory:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
-    p.add_argument("--port", type=int, help="find the local tritonserver by its gRPC or HTTP port; print its memory")
+    p.add_argument("--port", type=int,
+                   help="find the local tritonserver by its gRPC or HTTP port and print its memory")
     p.add_argument("--label", default="server", help="first word of the line printed")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to this long for the engine to be idle")
@@ -158,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.label}: {state}{'' if state.idle else '  (NOT idle)'}")
     if args.port:
         pid = find_tritonserver(args.port)
-        memory = f"pid {pid}, {TreeMemory.read(pid)}" if pid else f"none on this host with port {args.port}"
+        memory = f"pid {pid}, {TreeMemory.read(pid)}" if pid else f"not on this host (port {args.port})"
         print(f"{args.label}: tritonserver {memory}")
     return 0 if state.idle or not args.wait_idle else 1
 

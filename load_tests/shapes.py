@@ -52,7 +52,9 @@ class PoissonArrivals(TimedShape):
         return options.num_users, float(options.num_users)
 
 
-SHAPES: dict[str, type[LoadTestShape]] = {"constant": ConstantUsers, "step": StepRamp, "poisson": PoissonArrivals}
+SHAPES: dict[str, type[LoadTestShape]] = {
+    "constant": ConstantUsers, "step": StepRamp, "poisson": PoissonArrivals,
+}
 
 
 def select(name: str) -> type[LoadTestShape]:

@@ -2,7 +2,7 @@
 that nothing failed, the engine is idle with every KV block free again, and memory stopped growing.
 
     python -m load_tests.soak [--minutes 10] [--users 32] [--model default|DIR] [--prompt-set chat]
-        [--max-tokens 16-128] [--threads N] [--out results/soak]
+        [--max-tokens 16-128] [--threads N] [--omp-passive] [--out results/soak]
 
 Memory is the RSS (and PSS) of tritonserver plus its python-backend stubs, sampled through the run. The
 KV cache pool is allocated lazily, so RSS rises while blocks are first touched; the leak check therefore
@@ -75,7 +75,8 @@ def run_locust(url: str, args: argparse.Namespace) -> int:
            "--prompt-set", args.prompt_set, "--max-tokens", args.max_tokens,
            "--csv", str(args.out / "soak"), "--html", str(args.out / "soak.html")]
     with open(args.out / "locust.log", "wb") as log:
-        proc = subprocess.run(cmd, env={**os.environ, "LOAD_SHAPE": "constant", "LOAD_PROTOCOL": "grpc"}, stdout=log, stderr=subprocess.STDOUT,
+        env = {**os.environ, "LOAD_SHAPE": "constant", "LOAD_PROTOCOL": "grpc"}
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.minutes * 60 + 180)
     return proc.returncode
 
@@ -95,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-set", default="chat")
     p.add_argument("--max-tokens", default="16-128")
     p.add_argument("--threads", type=int, help="OMP threads of the server (default: its own choice)")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="OMP_WAIT_POLICY=PASSIVE (for a machine shared with other work)")
     p.add_argument("--max-growth-mib", type=float, default=64.0,
                    help="largest RSS growth allowed over the second half of the run")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.omp_passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(None if args.model == "default" else args.model)
     with tempfile.TemporaryDirectory() as tmp, \
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         start_state = wait_idle(server.url_metrics, 30)
         pid = find_tritonserver(server.grpc_port)
         assert pid is not None, "the server just started is not in /proc"
-        print(f"server up (pid {pid}); {args.users} users for {args.minutes:g} min", file=sys.stderr, flush=True)
+        print(f"server up (pid {pid}); {args.users} users for {args.minutes:g} min", file=sys.stderr,
+              flush=True)
         with MemorySampler(pid) as memory:
             t0 = time.monotonic()
             code = run_locust(server.url_grpc, args)

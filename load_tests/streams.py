@@ -143,8 +143,8 @@ def triton_sse_stream(session: requests.Session, base_url: str, model: str, prom
 def openai_sse_stream(session: requests.Session, base_url: str, model: str, prompt: str, max_tokens: int,
                       ignore_eos: bool = True, timeout: float = 120.0) -> StreamRecord:
     """Greedy, like the Triton paths; the token count comes from the usage chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": ignore_eos,
-            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": ignore_eos, "temperature": 0.0, "stream_options": {"include_usage": True}}
     start = time.monotonic()
     response = _post_stream(session, f"{base_url}/v1/completions", body, timeout)
     times: list[float] = []

@@ -56,7 +56,7 @@ def _number(text: str) -> float:
 
 
 def read_summary(stats_csv: Path) -> Summary:
-    """Rows of the locustfile's request types from `<prefix>_stats.csv`, and `<prefix>_failures.csv` beside it."""
+    """The locustfile's request types from `<prefix>_stats.csv`; failures from `<prefix>_failures.csv`."""
     with open(stats_csv, newline="") as f:
         rows = [Row(r["Type"], r["Name"], int(r["Request Count"]), int(r["Failure Count"]),
                     _number(r["Average Response Time"]), {p: _number(r[p]) for p in PERCENTILES},
@@ -67,7 +67,8 @@ def read_summary(stats_csv: Path) -> Summary:
     failures = []
     if failures_csv.exists():
         with open(failures_csv, newline="") as f:
-            failures = [(f"{r['Method']} {r['Name']}: {r['Error']}", int(r["Occurrences"])) for r in csv.DictReader(f)]
+            failures = [(f"{r['Method']} {r['Name']}: {r['Error']}", int(r["Occurrences"]))
+                        for r in csv.DictReader(f)]
     return Summary(rows, failures)
 
 

@@ -14,16 +14,19 @@ import pytest
 pytest.importorskip("locust", reason="load-test extras: pip install -r requirements-load.txt")
 
 from load_tests.prompts import SYSTEM_PROMPT, make_prompts  # noqa: E402
-from load_tests.summarize import format_summary, main as summarize_main, read_summary  # noqa: E402
+from load_tests.summarize import format_summary, read_summary  # noqa: E402
+from load_tests.summarize import main as summarize_main  # noqa: E402
 
 LOCUST = Path(sys.executable).parent / "locust"
 LOCUSTFILE = Path(__file__).resolve().parents[1] / "load_tests" / "locustfile.py"
 RUN_SECONDS = 8
 
 
-def run_locust(csv_prefix: Path, host: str, protocol: str, shape: str, *options: str) -> subprocess.CompletedProcess:
-    cmd = [str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "--only-summary", "-H", host, "-t", f"{RUN_SECONDS}s",
-           "--csv", str(csv_prefix), "--max-tokens", "4-12", "--prompt-set", "synthetic", *options]
+def run_locust(csv_prefix: Path, host: str, protocol: str, shape: str,
+               *options: str) -> subprocess.CompletedProcess:
+    cmd = [str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "--only-summary", "-H", host,
+           "-t", f"{RUN_SECONDS}s", "--csv", str(csv_prefix), "--max-tokens", "4-12",
+           "--prompt-set", "synthetic", *options]
     return subprocess.run(cmd, env={**os.environ, "LOAD_SHAPE": shape, "LOAD_PROTOCOL": protocol},
                           capture_output=True, text=True, timeout=RUN_SECONDS + 60)
 
@@ -67,7 +70,7 @@ def test_poisson_shape_over_http_makes_about_rate_times_duration_requests(server
     summary = read_summary(tmp_path / "poisson_stats.csv")
     assert summary.errors == 0
     arrivals = summary.row("E2E", "http ensemble").count
-    expected = rate * RUN_SECONDS  # 48, Poisson sd ~7 (seeded: 39 arrivals), and a request or two cut at the end
+    expected = rate * RUN_SECONDS  # 48, Poisson sd ~7 (seeded: 39 arrive); a request or two cut at the end
     assert expected - 28 <= arrivals <= expected + 28, arrivals
 
 
@@ -118,6 +121,6 @@ def test_static_batcher_streams_exactly_max_tokens_per_request(tiny_model_dir):
         assert [final for _, final in stream] == [False] * (n - 1) + [True]
         assert sum(len(ids) for ids, _ in stream) == n
     with torch.inference_mode():  # the unpadded (longest) prompt matches a plain greedy generate
-        alone = model.generate(torch.tensor([prompts[0]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                               pad_token_id=2)
+        alone = model.generate(torch.tensor([prompts[0]]), max_new_tokens=6, min_new_tokens=6,
+                               do_sample=False, pad_token_id=2)
     assert [ids[0] for ids, _ in streams[0]] == alone[0, len(prompts[0]):].tolist()
