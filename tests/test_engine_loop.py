@@ -121,7 +121,8 @@ class FailingRunner:
 
 def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
-    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=3)
+    # fail late enough that all three submissions are in flight even on a loaded machine
+    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=8)
     loop = EngineLoop(LLMEngine(config, runner=runner)).start()
     recs = [submit(loop, f"c{i}", max_tokens=50) for i in range(3)]
     for rec in recs:
