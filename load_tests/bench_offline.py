@@ -21,6 +21,7 @@ thread whose partner was descheduled burns its slice, which made 2-thread runs 1
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -43,7 +44,7 @@ MODELS_DIR = REPO / ".cache" / "models"
 RANDOM56M = "random56m"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DTYPES = ("float32", "bfloat16")
-SYSTEMS = ("engine", "hf_static", "hf_cb", "vllm")
+SYSTEMS = ("engine", "engine_onnxruntime", "hf_static", "hf_cb", "vllm")
 BASELINES = ("hf_cb", "vllm")  # the table shows each system's ratio to these
 STATIC_BATCH = 8
 RSS_CHECK_REQUESTS = 1000
@@ -221,12 +222,13 @@ def _load_hf(model_dir: Path, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None) -> SystemResult:
+def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None,
+               runtime: str = "torch") -> SystemResult:
     """Our engine through its online API, so progress shows as requests finish."""
     from backend.engine import EngineConfig, LLMEngine
     from backend.sampling import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, runtime=runtime))
     counter = iter(range(sys.maxsize))
 
     def generate(batch: list[Request], progress: Progress) -> Outputs:
@@ -242,7 +244,8 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
                     progress.update()
         return outputs
 
-    result = measure("engine", dtype, generate, requests, extra={})
+    system = "engine" if runtime == "torch" else f"engine_{runtime}"
+    result = measure(system, dtype, generate, requests, extra={"runtime": runtime})
     if rss_check is not None:
         more = load_workload(rss_check)
         before = current_rss_mib()
@@ -340,6 +343,7 @@ def run_vllm(model_dir: Path, dtype: str, requests: list[Request], rss_check: Pa
 
 RUNNERS: dict[str, Callable[[Path, str, list[Request], Path | None], SystemResult]] = {
     "engine": run_engine, "hf_static": run_hf_static, "hf_cb": run_hf_cb, "vllm": run_vllm,
+    "engine_onnxruntime": functools.partial(run_engine, runtime="onnxruntime"),
 }
 
 
