@@ -12,6 +12,7 @@ from backend.responses import ResponseBuilder
 from backend.sampling import InvalidRequestError
 from backend.scheduler import QueueFullError
 from backend.tokenizer import load_tokenizer
+from backend.triton_glue import model_parameters, read_inputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -30,8 +31,7 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         self.input_names = [i["name"] for i in model_config["input"]]
-        params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        config = EngineConfig.from_parameters(params)
+        config = EngineConfig.from_parameters(model_parameters(args))
         self.engine = LLMEngine(config)
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
@@ -47,11 +47,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = {}
-                for name in self.input_names:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
-                    if tensor is not None:
-                        inputs[name] = tensor.as_numpy()
+                inputs = read_inputs(pb_utils, request, self.input_names)
                 req = parse_request(inputs, self.tokenizer, self.engine.model_config.eos_token_ids)
                 if req.stop:  # TensorRT-LLM's cancel: end the earlier request with this request id
                     self.loop.stop_request(request.request_id())

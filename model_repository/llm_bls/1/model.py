@@ -14,8 +14,8 @@ import triton_python_backend_utils as pb_utils
 from backend.detokenize import IncrementalDetokenizer
 from backend.request_params import parse_text
 from backend.sampling import InvalidRequestError
-from backend.tokenizer import encode, load_tokenizer
-from build_engine.prepare_model import resolve_model_dir
+from backend.tokenizer import encode
+from backend.triton_glue import model_parameters, model_tokenizer, read_inputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
@@ -26,9 +26,8 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.input_names = [i["name"] for i in config["input"]]
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.tokenizer = load_tokenizer(resolve_model_dir(params["model"]))
-        self.llm = params.get("llm_model", "llm")
+        self.tokenizer = model_tokenizer(args)
+        self.llm = model_parameters(args).get("llm_model", "llm")
         self.active: dict[str, set[str]] = {}  # client request id -> its llm request ids
         self.lock = threading.Lock()
 
@@ -41,11 +40,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         client_id = request.request_id()
         try:
-            inputs = {}
-            for name in self.input_names:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
+            inputs = read_inputs(pb_utils, request, self.input_names)
             stop = "stop" in inputs and bool(inputs["stop"].reshape(-1)[0])
             text = parse_text(inputs["text_input"], allow_empty=stop)
             if stop:

@@ -1,19 +1,15 @@
 """Triton glue: (context_ids, output_ids, is_final) -> text_output via backend/detokenize.py."""
 
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.detokenize import decode_delta
-from backend.tokenizer import load_tokenizer
-from build_engine.prepare_model import resolve_model_dir
+from backend.triton_glue import model_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"]).get("parameters", {})
-        self.tokenizer = load_tokenizer(resolve_model_dir(params["model"]["string_value"]))
+        self.tokenizer = model_tokenizer(args)
 
     def execute(self, requests):
         responses = []

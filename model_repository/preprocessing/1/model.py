@@ -1,20 +1,17 @@
 """Triton glue: text_input -> input_ids with the model's tokenizer (backend/tokenizer.py)."""
 
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.request_params import parse_text
 from backend.sampling import InvalidRequestError
-from backend.tokenizer import encode, load_tokenizer
-from build_engine.prepare_model import resolve_model_dir
+from backend.tokenizer import encode
+from backend.triton_glue import model_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"]).get("parameters", {})
-        self.tokenizer = load_tokenizer(resolve_model_dir(params["model"]["string_value"]))
+        self.tokenizer = model_tokenizer(args)
 
     def execute(self, requests):
         responses = []
