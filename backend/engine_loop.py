@@ -74,7 +74,8 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, sub: Submission) -> None:
-        if not self.alive:
+        """Queue a submission (also before start(): it is admitted by the loop's first iteration)."""
+        if self.error is not None or self._stopping.is_set():
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         self._inbox.put(("add", sub))
 

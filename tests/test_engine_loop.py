@@ -67,12 +67,16 @@ def test_requests_stream_in_order_and_end_once(loop, tiny_model_dir):
     assert loop.num_active == 0 and loop.engine.kv.num_used_blocks == 0
 
 
-def test_stop_by_client_id_cancels_every_request_with_it(loop):
+def test_stop_by_client_id_cancels_every_request_with_it(tiny_model_dir):
+    loop = EngineLoop(LLMEngine(EngineConfig(model=str(tiny_model_dir))))
+    # queued before the loop runs, so the stop lands before any of them can finish, however loaded the machine
     a, b, other = submit(loop, "x", max_tokens=500), submit(loop, "x", max_tokens=500), submit(loop, "y", 6)
     loop.stop_request("x")
+    loop.start()
     for rec in (a, b, other):
-        assert rec.done.wait(30) and rec.ends == 1
+        assert rec.done.wait(60) and rec.ends == 1
     assert a.reasons == b.reasons == ["cancelled"] and other.reasons == ["length"]
+    loop.shutdown()
 
 
 def test_client_cancellation_is_polled(loop):
@@ -121,12 +125,12 @@ class FailingRunner:
 
 def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
-    # fail late enough that all three submissions are in flight even on a loaded machine
-    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=8)
-    loop = EngineLoop(LLMEngine(config, runner=runner)).start()
-    recs = [submit(loop, f"c{i}", max_tokens=50) for i in range(3)]
+    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=3)
+    loop = EngineLoop(LLMEngine(config, runner=runner))
+    recs = [submit(loop, f"c{i}", max_tokens=50) for i in range(3)]  # all in flight when step 3 fails
+    loop.start()
     for rec in recs:
-        assert rec.done.wait(30) and rec.ends == 1
+        assert rec.done.wait(60) and rec.ends == 1
         assert rec.errors and "injected forward failure" in str(rec.errors[0])
     assert not loop.alive
     with pytest.raises(EngineDeadError, match="not running"):
