@@ -22,8 +22,8 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LLM_MODEL_CACHE=/models/SmolLM2-135M-Instruct
 
-# curl: the compose healthcheck.
-RUN apt-get update && apt-get install -y --no-install-recommends curl && rm -rf /var/lib/apt/lists/*
+# curl: the compose healthcheck. g++: the CPU paged-attention kernel compiles on first use (backend/kernels/).
+RUN apt-get update && apt-get install -y --no-install-recommends curl g++ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/llm
 COPY requirements.txt requirements-nodeps.txt ./

@@ -33,6 +33,7 @@ class EngineConfig:
     dtype: str = "float32"
     runtime: str = "torch"  # torch | onnxruntime | tensorrt
     device: str = "cpu"
+    attention: str = "auto"  # torch runtime: kernel (CPU C++) | gather (the exported graph) | auto
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     block_size: int = 16
     num_kv_blocks: int | None = None  # else from kv_cache_memory_gb
@@ -107,7 +108,10 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     if config.runtime == "torch":
         from backend.runners.torch_runner import TorchRunner
 
-        return TorchRunner(config.model, config.dtype, num_blocks, config.block_size, config.device)
+        return TorchRunner(config.model, config.dtype, num_blocks, config.block_size, config.device,
+                           config.attention)
+    if config.attention == "kernel":
+        raise ValueError(f"attention: the kernel is for runtime torch; {config.runtime} runs the gather graph")
     if config.runtime == "onnxruntime":
         from backend.runners.onnx_runner import OnnxRunner, check_supported
         from build_engine.export_onnx import cached_engine_dir

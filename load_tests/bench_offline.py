@@ -48,6 +48,7 @@ SYSTEMS = ("engine", "engine_onnxruntime", "hf_static", "hf_cb", "vllm")
 BASELINES = ("hf_cb", "vllm")  # the table shows each system's ratio to these
 STATIC_BATCH = 8
 RSS_CHECK_REQUESTS = 1000
+RSS_CHECK_WAVES = 10
 RSS_CHECK_PROMPT_LEN = (16, 64)  # short requests keep 1,000 of them to minutes
 RSS_CHECK_OUTPUT_LEN = (4, 16)
 HF_CB_MAX_BATCH_TOKENS = 512  # tokens per step, as our engine's default max_num_batched_tokens
@@ -247,12 +248,16 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
     system = "engine" if runtime == "torch" else f"engine_{runtime}"
     result = measure(system, dtype, generate, requests, extra={"runtime": runtime})
     if rss_check is not None:
+        # RSS after each tenth of the requests: allocator warm-up levels off, a leak keeps climbing
         more = load_workload(rss_check)
-        before = current_rss_mib()
-        outputs = generate(more, Progress(f"engine {dtype} rss-check", len(more)))
-        check_lengths("engine rss-check", more, outputs)
-        result.extra["rss_check"] = {"requests": len(more), "rss_before_mib": round(before, 1),
-                                     "rss_after_mib": round(current_rss_mib(), 1)}
+        curve = [round(current_rss_mib(), 1)]
+        progress = Progress(f"engine {dtype} rss-check", len(more))
+        for wave in range(RSS_CHECK_WAVES):
+            part = more[wave * len(more) // RSS_CHECK_WAVES:(wave + 1) * len(more) // RSS_CHECK_WAVES]
+            check_lengths("engine rss-check", part, generate(part, progress))
+            curve.append(round(current_rss_mib(), 1))
+        result.extra["rss_check"] = {"requests": len(more), "rss_before_mib": curve[0], "rss_after_mib": curve[-1],
+                                     "rss_curve_mib": curve}
         result.peak_rss_mib = round(peak_rss_mib(), 1)
     return result
 
@@ -421,8 +426,9 @@ def table(results: list[SystemResult], threads: int) -> str:
                      f"{load:>10}")
         if "rss_check" in r.extra:
             c = r.extra["rss_check"]
-            lines.append(f"{'':<10} RSS before/after {c['requests']} more requests: "
-                         f"{c['rss_before_mib']:.0f} / {c['rss_after_mib']:.0f} MiB")
+            lines.append(f"{'':<10} RSS (MiB) before and after each tenth of {c['requests']} more requests: "
+                         + " ".join(f"{x:.0f}" for x in c.get("rss_curve_mib", [c["rss_before_mib"],
+                                                                                  c["rss_after_mib"]])))
         contended |= max(r.loadavg_1m) > threads + 0.5
     if contended:
         lines.append(f"WARNING: load average above {threads} threads: other processes shared the CPU, "

@@ -60,8 +60,8 @@ SCENARIOS = {
 }
 
 
-def check_scenario(model_dir, name: str, refs_cache: dict) -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **SCENARIOS[name]))
+def check_scenario(model_dir, name: str, refs_cache: dict, attention: str = "auto") -> None:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), attention=attention, **SCENARIOS[name]))
     reqs = workload(engine.model_config.vocab_size)
     key = str(model_dir)
     if key not in refs_cache:
@@ -79,12 +79,16 @@ def check_scenario(model_dir, name: str, refs_cache: dict) -> None:
 _refs: dict = {}
 
 
+# Both attention paths of the torch runner: the CPU kernel and the gather graph that ONNX Runtime and
+# TensorRT run (tests/test_onnx_runner.py checks those runtimes against PyTorch).
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_tiny_llama_matches_hf(tiny_model_dir, scenario):
-    check_scenario(tiny_model_dir, scenario, _refs)
+def test_tiny_llama_matches_hf(tiny_model_dir, scenario, attention):
+    check_scenario(tiny_model_dir, scenario, _refs, attention)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_smollm2_matches_hf(smollm2_dir, scenario):
-    check_scenario(smollm2_dir, scenario, _refs)
+def test_smollm2_matches_hf(smollm2_dir, scenario, attention):
+    check_scenario(smollm2_dir, scenario, _refs, attention)

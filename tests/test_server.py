@@ -19,6 +19,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.sampling import SamplingParams
 from backend.tokenizer import encode, load_tokenizer
 from client.client import LLMClient, build_inputs
+from tests.conftest import LLM_TEST_SETTINGS, start_server
 
 PROMPTS = ["Hello there", "你好,世界。今天天气很好", "I ❤️ 🦙 and 👨‍👩‍👧", "def f(x):\n    return x * 2",
            "The quick brown fox jumps over the lazy dog. " * 6]
@@ -200,24 +201,37 @@ def test_wrong_dtype_is_rejected_by_name(server):
 
 
 def test_overload_answers_overloaded_and_serves_the_rest(server):
-    n = 90  # 48 running + 16 waiting can be accepted
-    outcomes: list[str] = []
+    """Fill the engine (48 running + 16 waiting, LLM_TEST_SETTINGS) with long requests, then: the next
+    requests are refused with 'overloaded', and once the long ones are cancelled the server serves."""
+    running, waiting = int(LLM_TEST_SETTINGS["max_num_seqs"]), int(LLM_TEST_SETTINGS["max_waiting"])
+    clients = [LLMClient(grpc_url(server)) for _ in range(running + waiting)]
+    finals: list[str] = []
 
-    def run() -> None:
-        with LLMClient(grpc_url(server)) as client:
-            try:
-                result = client.generate("Hi", max_tokens=24, ignore_eos=True, return_num_output_tokens=True)
-                outcomes.append(f"ok {int(result.outputs['num_output_tokens'].reshape(-1)[0])}")
-            except InferenceServerException as err:
-                outcomes.append("overloaded" if "overloaded" in str(err) else f"error {err}")
+    def hold(client: LLMClient) -> None:
+        chunks = list(client.stream("Hi", max_tokens=1000, ignore_eos=True, return_finish_reason=True))
+        finals.append(chunks[-1].outputs["finish_reason"].reshape(-1)[0].decode() if chunks[-1].final else "none")
 
-    threads = [threading.Thread(target=run) for _ in range(n)]
+    threads = [threading.Thread(target=hold, args=(c,)) for c in clients]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
+    while (m := metrics(server))["llm_num_requests_running"] < running or m["llm_num_requests_waiting"] < waiting:
+        assert time.monotonic() < deadline, f"the engine never filled up: {m}"
+        time.sleep(0.01)
+    with LLMClient(grpc_url(server)) as extra:
+        for _ in range(3):
+            with pytest.raises(InferenceServerException, match="overloaded"):
+                extra.generate("Hi", max_tokens=8)
+    for client in clients:
+        client.cancel()
     for t in threads:
-        t.join(120)
-    assert len(outcomes) == n
-    assert set(outcomes) == {"ok 24", "overloaded"}, sorted(set(outcomes))
+        t.join(60)
+    for client in clients:
+        client.close()
+    assert len(finals) == len(clients) and set(finals) <= {"cancelled", "length"}, finals
+    with LLMClient(grpc_url(server)) as client:
+        assert client.generate("Hi", max_tokens=8, ignore_eos=True, return_num_output_tokens=True) \
+            .outputs["num_output_tokens"].reshape(-1)[0] == 8
     wait_until_idle(server)
 
 
@@ -270,8 +284,6 @@ def test_direct_llm_sees_grpc_cancel_and_frees_kv(server, tokenizer):
 
 @pytest.fixture(scope="module")
 def onnx_server(tmp_path_factory, tiny_model_dir):
-    from tests.conftest import LLM_TEST_SETTINGS, start_server
-
     settings = {**LLM_TEST_SETTINGS, "runtime": "onnxruntime"}  # exports the graph on first load
     with start_server(tmp_path_factory.mktemp("repo_onnx"), tiny_model_dir, settings) as srv:
         srv.wait_ready(600)

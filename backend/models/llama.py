@@ -4,10 +4,14 @@
 padding per sequence, no Python loop over sequences, no shape computed from data. That is what
 lets `build_engine` export this very module to ONNX, and ONNX Runtime / TensorRT run it.
 
-Attention reads the paged cache through block tables (gather only). The new tokens' K/V are
-returned, not written: the runner writes them in place at `slot_mapping` after the forward, so the
-compiled graph never copies the cache. Inside the graph, each attention row gets the new keys of
-its own sequence scattered into its small gathered copy, so a prefill chunk sees itself.
+Attention reads the paged cache through block tables, in one of two ways:
+- RowLayout (the graph every runtime shares, and the reference): gather only. The new tokens' K/V
+  are returned, not written: the runner writes them in place at `slot_mapping` after the forward, so
+  the compiled graph never copies the cache. Inside the graph, each attention row gets the new keys
+  of its own sequence scattered into its small gathered copy, so a prefill chunk sees itself.
+- KernelLayout (eager PyTorch on the CPU): the new K/V go into the cache first, then a C++ kernel
+  (backend/kernels/) reads each sequence's blocks in place. Same math; the gather path pays for
+  the longest sequence of the batch in every row, the kernel only for each row's own context.
 
 Layout of a row (see backend/batch.py): up to Q query tokens of one sequence, and that sequence's
 keys at positions 0..C-1, C = blocks per row * block_size. A query at position p sees keys c <= p.
@@ -89,6 +93,22 @@ def rope_tables(model_dir: str | Path, max_positions: int) -> tuple[torch.Tensor
     return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """AVX512-BF16 or AMX: without them a bfloat16 GEMM is emulated, ~7x slower than float32 here."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be wider than its input: a bfloat16 model on a CPU without bf16
+    matmul keeps float32 copies of its weights (the same values) and rounds each output to bfloat16.
+    That is what a bf16 GEMM computes (float32 products and sums, a bf16 result), at float32 speed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -112,11 +132,11 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer_cache_k, layer_cache_v, rows):
         cfg = self.cfg
@@ -129,7 +149,7 @@ class DecoderLayer(nn.Module):
         v = v.reshape(T, KVH, D)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        attn = _paged_attention(q, k, v, layer_cache_k, layer_cache_v, rows, cfg)
+        attn = rows.attend(q, k, v, layer_cache_k, layer_cache_v, cfg)
         x = x + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         x = x + self.down_proj(nn.functional.silu(gate) * up)
@@ -147,8 +167,31 @@ class RowLayout:
     kv_dst: torch.Tensor  # [P] ... key slot r * C + position of its row
     token_slot: torch.Tensor  # [T] r * Q + j: where each flat token's output sits
 
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
+        return _gather_attention(q, k, v, cache_k, cache_v, self, cfg)
 
-def _paged_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig):
+
+@dataclass
+class KernelLayout:
+    """Per-sequence paging inputs of the CPU kernel (eager only: not part of the exported graph)."""
+
+    block_tables: torch.Tensor  # [S, B] int64
+    query_start: torch.Tensor  # [S + 1]
+    context_lens: torch.Tensor  # [S]
+    slot_mapping: torch.Tensor  # [T]
+
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
+        from backend.kernels.paged_attention import paged_attention
+
+        KVH, D = cfg.num_kv_heads, cfg.head_dim
+        cache_k.view(-1, KVH, D).index_copy_(0, self.slot_mapping, k)
+        cache_v.view(-1, KVH, D).index_copy_(0, self.slot_mapping, v)
+        out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
+                              D ** -0.5)
+        return out.view(q.shape[0], cfg.num_heads * D)
+
+
+def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig):
     KVH, D = cfg.num_kv_heads, cfg.head_dim
     R, B = rows.block_tables.shape
     Q = rows.token_index.shape[1]
@@ -178,7 +221,7 @@ class PagedLlama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -192,10 +235,12 @@ class PagedLlama(nn.Module):
         kv_dst: torch.Tensor,  # [P]
         token_slot: torch.Tensor,  # [T]
         last_token_index: torch.Tensor,  # [S]
-        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`)
+        kernel: KernelLayout | None = None,  # attend with the CPU kernel, which writes the new K/V itself
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [S, vocab] of each sequence's last token, new K/V [L, 2, T, KVH, D])."""
-        rows = RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst, token_slot)
+        rows = kernel or RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst,
+                                   token_slot)
         x = self.embed_tokens(token_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
@@ -212,6 +257,10 @@ def _weight_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     return files
+
+
+def _is_linear(name: str) -> bool:
+    return name.endswith(("_proj.weight", "_proj.bias", "lm_head.weight"))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> PagedLlama:
@@ -241,6 +290,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         fused[p + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     with torch.device("meta"):
         model = PagedLlama(cfg, cos, sin)
-    model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=True, assign=True)
+    wide = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_has_bf16_matmul()
+    model.load_state_dict({k: v.to(torch.float32 if wide and _is_linear(k) else dtype) for k, v in fused.items()},
+                          strict=True, assign=True)
     model.rope_cos, model.rope_sin = cos, sin
     return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,53 @@
+"""The CPU paged-attention kernel (paged_attention.cpp), compiled on first use.
+
+It is built with the machine's own compiler for the machine's own CPU (-march=native), once, into
+`$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take milliseconds. Building needs a
+C++ compiler and ninja (pinned in requirements.txt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_suffix(".cpp")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_lock = threading.Lock()
+
+
+def _cpu_tag() -> str:
+    """-march=native code runs only where it was built: key the build folder by the CPU's flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
+def load() -> None:
+    """Compile (or load the cached build of) the kernel: registers torch.ops.llm_kernels.paged_attention."""
+    from torch.utils.cpp_extension import load as build
+
+    with _lock:
+        if hasattr(torch.ops.llm_kernels, "paged_attention"):
+            return
+        root = Path(os.environ.get("LLM_KERNEL_CACHE") or REPO_ROOT / ".cache" / "kernels")
+        build_dir = root / _cpu_tag()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("paged_attention: compiling %s (once per machine, ~1 min) into %s", SOURCE.name, build_dir)
+        build(name="llm_kernels", sources=[str(SOURCE)], build_directory=str(build_dir),
+              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+              is_python_module=False, verbose=False)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; the cache [num_blocks, block_size, KVH, D] must hold this step's K/V."""
+    return torch.ops.llm_kernels.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
