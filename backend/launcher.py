@@ -82,6 +82,10 @@ def _server_env(libs_dir: Path | None) -> dict[str, str]:
     ld_path = [str(d) for d in (_libpython_dir(), libs_dir) if d] + [env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = ":".join(filter(None, ld_path))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # OpenMP workers sleep at barriers instead of spinning: in a server they share the cores with Triton,
+    # the stubs and gRPC, and a spinning worker whose partner was descheduled burns its slice (2-thread HF
+    # steps went from 11 to 260+ ms under other load here). Set OMP_WAIT_POLICY yourself to override.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

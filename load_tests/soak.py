@@ -2,7 +2,7 @@
 that nothing failed, the engine is idle with every KV block free again, and memory stopped growing.
 
     python -m load_tests.soak [--minutes 10] [--users 32] [--model default|DIR] [--prompt-set chat]
-        [--max-tokens 16-128] [--threads N] [--omp-passive] [--out results/soak]
+        [--max-tokens 16-128] [--threads N] [--out results/soak]
 
 Memory is the RSS (and PSS) of tritonserver plus its python-backend stubs, sampled through the run. The
 KV cache pool is allocated lazily, so RSS rises while blocks are first touched; the leak check therefore
@@ -31,6 +31,7 @@ from load_tests.summarize import format_summary, read_summary
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 SAMPLE_EVERY_S = 5.0
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,39 @@ class MemorySampler:
         return [m for t, m in self.samples if t <= seconds][-1]
 
 
-def run_locust(url: str, args: argparse.Namespace) -> int:
+def progress_line(elapsed_s: float, args: argparse.Namespace, memory: MemorySampler) -> str:
+    """Elapsed time, requests done and failed so far (locust rewrites its CSV every few seconds), RSS."""
+    done = failed = 0
+    try:
+        summary = read_summary(args.out / "soak_stats.csv")
+        done, failed = sum(r.count for r in summary.rows if r.kind == "E2E"), summary.errors
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
+    rss = memory.samples[-1][1].rss_mib if memory.samples else float("nan")
+    return (f"  {elapsed_s / 60:4.1f} / {args.minutes:g} min: {done} requests done, {failed} failed, "
+            f"server RSS {rss:.0f} MiB")
+
+
+def run_locust(url: str, args: argparse.Namespace, memory: MemorySampler) -> int:
     cmd = [str(Path(sys.executable).parent / "locust"), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
            "-H", url, "-u", str(args.users), "-r", str(args.users), "-t", f"{args.minutes * 60:.0f}s",
            "--prompt-set", args.prompt_set, "--max-tokens", args.max_tokens,
            "--csv", str(args.out / "soak"), "--html", str(args.out / "soak.html")]
     with open(args.out / "locust.log", "wb") as log:
         env = {**os.environ, "LOAD_SHAPE": "constant", "LOAD_PROTOCOL": "grpc"}
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=args.minutes * 60 + 180)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        start = time.monotonic()
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > args.minutes * 60 + 180:
+                    raise TimeoutError("locust ran 3 minutes past its time")
+                try:
+                    proc.wait(PROGRESS_EVERY_S)
+                except subprocess.TimeoutExpired:
+                    print(progress_line(time.monotonic() - start, args, memory), file=sys.stderr, flush=True)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     return proc.returncode
 
 
@@ -96,8 +121,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-set", default="chat")
     p.add_argument("--max-tokens", default="16-128")
     p.add_argument("--threads", type=int, help="OMP threads of the server (default: its own choice)")
-    p.add_argument("--omp-passive", action="store_true",
-                   help="OMP_WAIT_POLICY=PASSIVE (for a machine shared with other work)")
     p.add_argument("--max-growth-mib", type=float, default=64.0,
                    help="largest RSS growth allowed over the second half of the run")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
@@ -108,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    if args.omp_passive:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(None if args.model == "default" else args.model)
     with tempfile.TemporaryDirectory() as tmp, \
@@ -124,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         with MemorySampler(pid) as memory:
             t0 = time.monotonic()
-            code = run_locust(server.url_grpc, args)
+            code = run_locust(server.url_grpc, args, memory)
             run_s = time.monotonic() - t0
             end_state = wait_idle(server.url_metrics, 60)
         idle_memory = TreeMemory.read(pid)
