@@ -96,6 +96,7 @@ class RateResult:
     latency: dict[str, float]  # ttft/itl/tpot/e2e p50 and p99, seconds
     loadavg_1m: tuple[float, float]  # before, after
     server_cpu_s: float  # CPU seconds the server's processes used meanwhile (all cores)
+    client_cpu_s: float  # ... and this harness (the load generator, on the same machine)
     ttfts: list[float] = field(default_factory=list)  # per completed request, for the CDF
     e2es: list[float] = field(default_factory=list)
 
@@ -169,7 +170,7 @@ def run_rate(name: str, system: System, items: list[Item], rate: float, max_seco
         with lock:
             records.append(record)
 
-    load_before, cpu_before = os.getloadavg()[0], system.cpu_seconds()
+    load_before, cpu_before, client_before = os.getloadavg()[0], system.cpu_seconds(), time.process_time()
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(offsets)) as pool:
         for offset, item in zip(offsets, items):
@@ -186,7 +187,8 @@ def run_rate(name: str, system: System, items: list[Item], rate: float, max_seco
                       round(tokens / duration, 1) if duration > 0 else 0.0,
                       round(len(records) / duration, 3) if duration > 0 else 0.0, latency,
                       (round(load_before, 2), round(os.getloadavg()[0], 2)),
-                      round(system.cpu_seconds() - cpu_before, 2), [r.ttft for r in records],
+                      round(system.cpu_seconds() - cpu_before, 2), round(time.process_time() - client_before, 2),
+                      [r.ttft for r in records],
                       [r.e2e for r in records])
 
 
@@ -325,6 +327,10 @@ def summary(results: list[RateResult], systems: list[str], rates: list[float],
     out: dict = {"sustainable_rate": sustainable,
                  "saturation_tok_s": {s: r.output_tok_s for s, r in bursts.items()},
                  "saturation_tok_per_cpu_s": {s: round(r.tok_per_cpu_s, 2) for s, r in bursts.items()},
+                 # CPUs kept busy during the burst by the server and by this harness (the client)
+                 "saturation_cpus": {s: (round(r.server_cpu_s / max(r.duration_s, 1e-9), 2),
+                                         round(r.client_cpu_s / max(r.duration_s, 1e-9), 2))
+                                     for s, r in bursts.items()},
                  "offline_engine": asdict(offline) if offline else None}
     if "ours" in bursts and offline:
         out["served_over_offline"] = round(bursts["ours"].output_tok_s / offline.tok_s, 3)
@@ -362,7 +368,8 @@ def markdown(results: list[RateResult], info: dict, totals: dict) -> str:
     if "sustainable_ours_over_static" in totals:
         lines.append(f"- Ours over static: {totals['sustainable_ours_over_static']} "
                      f"(target >= {TARGET_SPEEDUP:g})")
-    sat = ", ".join(f"{s} {v:.1f} ({totals['saturation_tok_per_cpu_s'][s]:.1f} per server CPU-s)"
+    sat = ", ".join(f"{s} {v:.1f} ({totals['saturation_tok_per_cpu_s'][s]:.1f} per server CPU-s; server / "
+                    f"client CPUs busy {totals['saturation_cpus'][s][0]:.2f} / {totals['saturation_cpus'][s][1]:.2f})"
                     for s, v in totals["saturation_tok_s"].items())
     lines.append(f"- Saturation (burst) output tok/s: {sat}")
     if offline := totals.get("offline_engine"):
