@@ -256,8 +256,7 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
             part = more[wave * len(more) // RSS_CHECK_WAVES:(wave + 1) * len(more) // RSS_CHECK_WAVES]
             check_lengths("engine rss-check", part, generate(part, progress))
             curve.append(round(current_rss_mib(), 1))
-        result.extra["rss_check"] = {"requests": len(more), "rss_before_mib": curve[0], "rss_after_mib": curve[-1],
-                                     "rss_curve_mib": curve}
+        result.extra["rss_check"] = {"requests": len(more), "rss_curve_mib": curve}
         result.peak_rss_mib = round(peak_rss_mib(), 1)
     return result
 
@@ -427,8 +426,7 @@ def table(results: list[SystemResult], threads: int) -> str:
         if "rss_check" in r.extra:
             c = r.extra["rss_check"]
             lines.append(f"{'':<10} RSS (MiB) before and after each tenth of {c['requests']} more requests: "
-                         + " ".join(f"{x:.0f}" for x in c.get("rss_curve_mib", [c["rss_before_mib"],
-                                                                                  c["rss_after_mib"]])))
+                         + " ".join(f"{x:.0f}" for x in c["rss_curve_mib"]))
         contended |= max(r.loadavg_1m) > threads + 0.5
     if contended:
         lines.append(f"WARNING: load average above {threads} threads: other processes shared the CPU, "

@@ -41,7 +41,7 @@ def load() -> None:
         root = Path(os.environ.get("LLM_KERNEL_CACHE") or REPO_ROOT / ".cache" / "kernels")
         build_dir = root / _cpu_tag()
         build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("paged_attention: compiling %s (once per machine, ~1 min) into %s", SOURCE.name, build_dir)
+        log.info("paged_attention: loading %s from %s (compiled there on first use, ~15 s)", SOURCE.name, build_dir)
         build(name="llm_kernels", sources=[str(SOURCE)], build_directory=str(build_dir),
               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
               is_python_module=False, verbose=False)

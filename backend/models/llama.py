@@ -237,8 +237,9 @@ class PagedLlama(nn.Module):
         last_token_index: torch.Tensor,  # [S]
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`)
         kernel: KernelLayout | None = None,  # attend with the CPU kernel, which writes the new K/V itself
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits [S, vocab] of each sequence's last token, new K/V [L, 2, T, KVH, D])."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [S, vocab] of each sequence's last token, new K/V [L, 2, T, KVH, D]); with
+        `kernel` the new K/V are already in the cache, and None is returned for them."""
         rows = kernel or RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst,
                                    token_slot)
         x = self.embed_tokens(token_ids)
@@ -247,9 +248,10 @@ class PagedLlama(nn.Module):
         new_kv = []
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows)
-            new_kv.append(torch.stack((k, v)))
+            if kernel is None:
+                new_kv.append(torch.stack((k, v)))
         x = self.norm(x[last_token_index])
-        return self.lm_head(x).float(), torch.stack(new_kv)
+        return self.lm_head(x).float(), torch.stack(new_kv) if new_kv else None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

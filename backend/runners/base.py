@@ -28,3 +28,27 @@ class Runner(Protocol):
     block_size: int
 
     def forward(self, batch: ModelInput) -> torch.Tensor: ...
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """The runner-owned cache [layers, 2, num_blocks, block_size, kv_heads, head_dim], zeroed."""
+    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=dtype, device=device)
+
+
+def graph_outputs(cfg: ModelConfig, batch: ModelInput, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty outputs of the compiled graph, bound by pointer: logits [S, vocab] float32, new K/V
+    [layers, 2, T, kv_heads, head_dim]."""
+    logits = torch.empty(batch.num_seqs, cfg.vocab_size, dtype=torch.float32, device=device)
+    new_kv = torch.empty(cfg.num_layers, 2, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                         device=device)
+    return logits, new_kv
+
+
+def write_new_kv(kv_cache: torch.Tensor, batch: ModelInput, new_kv: torch.Tensor) -> None:
+    """The step's new K/V [layers, 2, T, kv_heads, head_dim] into the cache, in place, at `slot_mapping`."""
+    layers, _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    slots = torch.from_numpy(batch.slot_mapping).to(kv_cache.device)
+    kv_cache.view(layers, 2, num_blocks * block_size, kv_heads, head_dim).index_copy_(2, slots, new_kv)

@@ -18,7 +18,7 @@ from onnx import TensorProto
 
 from backend.batch import ModelInput
 from backend.models.llama import load_model_config
-from backend.runners.base import torch_dtype
+from backend.runners.base import allocate_kv_cache, graph_outputs, torch_dtype, write_new_kv
 from backend.runners.manifest import CACHE_INPUT, OUTPUT_NAMES, EngineManifest
 
 ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
@@ -61,10 +61,7 @@ class OnnxRunner:
         self.model_config = cfg = manifest.model_config
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = torch_dtype(dtype)
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        self._flat_cache = self.kv_cache.view(cfg.num_layers, 2, num_blocks * block_size,
-                                              cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
         self.binding = self.session.io_binding()
         self._bind(CACHE_INPUT, self.kv_cache, self.binding.bind_input)
 
@@ -74,18 +71,14 @@ class OnnxRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput) -> torch.Tensor:
-        cfg = self.model_config
         inputs = {k: torch.from_numpy(v).to(self.device) for k, v in batch.graph_inputs().items()}
         for name, tensor in inputs.items():
             self._bind(name, tensor, self.binding.bind_input)
-        logits = torch.empty(batch.num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        new_kv = torch.empty(cfg.num_layers, 2, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim,
-                             dtype=self.dtype, device=self.device)
+        logits, new_kv = graph_outputs(self.model_config, batch, self.dtype, self.device)
         for name, tensor in zip(OUTPUT_NAMES, (logits, new_kv)):
             self._bind(name, tensor, self.binding.bind_output)
         # ORT synchronizes its CUDA stream at the end of the run; torch's stream (the input copies, the
         # cache write) is synchronized by the blocking `.to()` and `.cpu()`, so each run sees the last write.
         self.session.run_with_iobinding(self.binding)
-        slots = torch.from_numpy(batch.slot_mapping).to(self.device)
-        self._flat_cache.index_copy_(2, slots, new_kv)
+        write_new_kv(self.kv_cache, batch, new_kv)
         return logits.cpu()

@@ -13,7 +13,7 @@ import torch
 
 from backend.batch import ModelInput
 from backend.models.llama import load_model_config
-from backend.runners.base import torch_dtype
+from backend.runners.base import allocate_kv_cache, graph_outputs, torch_dtype, write_new_kv
 from backend.runners.manifest import (CACHE_INPUT, INPUT_NAMES, OUTPUT_NAMES, EngineManifest, EngineMismatchError,
                                       axis_maxima, max_blocks_per_seq)
 
@@ -50,10 +50,7 @@ class TensorRTRunner:
 
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = torch_dtype(dtype)
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        self._flat_cache = self.kv_cache.view(cfg.num_layers, 2, num_blocks * block_size,
-                                              cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
         self._bind(CACHE_INPUT, self.kv_cache, is_input=True)
 
     def _bind(self, name: str, tensor: torch.Tensor, is_input: bool) -> None:
@@ -63,18 +60,14 @@ class TensorRTRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput) -> torch.Tensor:
-        cfg = self.model_config
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in batch.graph_inputs().items()}
             for name, tensor in inputs.items():
                 self._bind(name, tensor, is_input=True)
-            logits = torch.empty(batch.num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device)
-            new_kv = torch.empty(cfg.num_layers, 2, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype=self.dtype, device=self.device)
+            logits, new_kv = graph_outputs(self.model_config, batch, self.dtype, self.device)
             for name, tensor in zip(OUTPUT_NAMES, (logits, new_kv)):
                 self._bind(name, tensor, is_input=False)
             if not self.context.execute_async_v3(self.stream.cuda_stream):
                 raise RuntimeError("TensorRT execute_async_v3 failed (see its log above)")
-            slots = torch.from_numpy(batch.slot_mapping).to(self.device)
-            self._flat_cache.index_copy_(2, slots, new_kv)
+            write_new_kv(self.kv_cache, batch, new_kv)
             return logits.cpu()  # waits for the stream

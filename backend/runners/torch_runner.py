@@ -14,7 +14,7 @@ import torch
 
 from backend.batch import ModelInput
 from backend.models.llama import KernelLayout, load_model
-from backend.runners.base import torch_dtype
+from backend.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
 
 log = logging.getLogger(__name__)
 ATTENTION = ("auto", "kernel", "gather")
@@ -47,10 +47,7 @@ class TorchRunner:
         self.model = load_model(model_dir, torch_dtype(dtype), self.device)
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=torch_dtype(dtype), device=self.device)
-        self._flat_cache = self.kv_cache.view(cfg.num_layers, 2, num_blocks * block_size,
-                                              cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput) -> torch.Tensor:
@@ -58,12 +55,11 @@ class TorchRunner:
             return torch.from_numpy(a).to(self.device)
 
         inputs = {k: tensor(v) for k, v in batch.graph_inputs().items()}
-        slots = tensor(batch.slot_mapping)
         if self.attention == "kernel":
             kernel = KernelLayout(tensor(batch.block_tables), tensor(batch.query_start), tensor(batch.context_lens),
-                                  slots)
-            logits, _ = self.model(**inputs, kv_cache=self.kv_cache, kernel=kernel)  # K/V already written
+                                  tensor(batch.slot_mapping))
+            logits, _ = self.model(**inputs, kv_cache=self.kv_cache, kernel=kernel)  # writes K/V itself
         else:
             logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache)
-            self._flat_cache.index_copy_(2, slots, new_kv)
+            write_new_kv(self.kv_cache, batch, new_kv)
         return logits.cpu()
