@@ -6,7 +6,8 @@ The MetricFamily objects are kept for the model's lifetime: once a family is gar
 
 from __future__ import annotations
 
-from backend.engine_loop import EngineLoop, LoopObserver
+from backend.engine import EngineStats
+from backend.engine_loop import LoopObserver
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
@@ -45,8 +46,7 @@ class TritonMetrics(LoopObserver):
                           fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
         self._preemptions_seen = 0
 
-    def on_step(self, loop: EngineLoop, step_seconds: float, num_tokens: int) -> None:
-        s = loop.engine.stats()
+    def on_step(self, s: EngineStats, step_seconds: float) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         for state, value in (("total", s.kv_blocks_total), ("used", s.kv_blocks_used),
@@ -56,8 +56,8 @@ class TritonMetrics(LoopObserver):
         if s.num_preemptions > self._preemptions_seen:
             self.preemptions.increment(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
-        if num_tokens:
-            self.step_tokens.observe(num_tokens)
+        if s.last_step_tokens:
+            self.step_tokens.observe(s.last_step_tokens)
             self.step_seconds.observe(step_seconds)
 
     def on_first_token(self, seconds: float) -> None:

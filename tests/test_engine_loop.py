@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -51,8 +52,8 @@ def submit(loop: EngineLoop, client_id: str = "c", max_tokens: int = 8, **reques
 
 @pytest.fixture
 def loop(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
-    loop = EngineLoop(engine, load_tokenizer(tiny_model_dir)).start()
+    config = EngineConfig(model=str(tiny_model_dir))
+    loop = EngineLoop(lambda: LLMEngine(config), load_tokenizer(tiny_model_dir)).start()
     yield loop
     loop.shutdown()
 
@@ -68,7 +69,7 @@ def test_requests_stream_in_order_and_end_once(loop, tiny_model_dir):
 
 
 def test_stop_by_client_id_cancels_every_request_with_it(tiny_model_dir):
-    loop = EngineLoop(LLMEngine(EngineConfig(model=str(tiny_model_dir))))
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model=str(tiny_model_dir))))
     # queued before the loop runs, so the stop lands before any of them can finish, however loaded the machine
     a, b, other = submit(loop, "x", max_tokens=500), submit(loop, "x", max_tokens=500), submit(loop, "y", 6)
     loop.stop_request("x")
@@ -126,7 +127,7 @@ class FailingRunner:
 def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
     runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=3)
-    loop = EngineLoop(LLMEngine(config, runner=runner))
+    loop = EngineLoop(lambda: LLMEngine(config, runner=runner))
     recs = [submit(loop, f"c{i}", max_tokens=50) for i in range(3)]  # all in flight when step 3 fails
     loop.start()
     for rec in recs:
@@ -136,3 +137,65 @@ def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_
     with pytest.raises(EngineDeadError, match="not running"):
         submit(loop)
     loop.shutdown()
+
+
+def test_the_engine_is_built_on_the_loop_thread(tiny_model_dir):
+    """One OpenMP master for every forward (see backend/engine_loop.py): build and steps share a thread."""
+    threads: list[str] = []
+
+    def build() -> LLMEngine:
+        threads.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+
+    loop = EngineLoop(build).start()
+    assert threads == ["engine-loop"] and loop.engine is not None and loop.alive
+    assert submit(loop).done.wait(30)
+    loop.shutdown()
+
+
+def test_a_failed_build_raises_from_start_and_fails_queued_requests(tiny_model_dir):
+    def build() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float8"))
+
+    loop = EngineLoop(build)
+    queued = submit(loop)
+    with pytest.raises(EngineDeadError, match="building the engine failed.*float8"):
+        loop.start()
+    assert queued.done.wait(5) and queued.ends == 1 and "float8" in str(queued.errors[0])
+    assert not loop.alive
+    with pytest.raises(EngineDeadError, match="not running"):
+        submit(loop)
+
+
+def test_outputs_leave_on_the_output_thread_in_order(loop):
+    """emit runs on the output thread, so a slow send (a server round trip) never holds up a step."""
+    threads: set[str] = set()
+    rec = Recorder()
+
+    def emit(out) -> None:
+        threads.add(threading.current_thread().name)
+        rec.emit(out)
+
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), stream=True)
+    loop.submit(Submission("c", req, emit, rec.fail))
+    assert rec.done.wait(30) and len(rec.tokens) == 12 and rec.reasons == ["length"]
+    assert threads == {"engine-output"}
+
+
+def test_a_request_whose_output_cannot_be_sent_is_aborted(loop):
+    sends = []
+
+    def emit(out) -> None:
+        sends.append(out.finished)
+        raise ConnectionError("client gone")
+
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True), stream=True)
+    loop.submit(Submission("gone", req, emit, lambda err: None))
+    other = submit(loop, "other")
+    assert other.done.wait(30) and other.reasons == ["length"]
+    for _ in range(300):  # the abort reaches the engine through the loop's inbox
+        if sends and sends[-1]:
+            break
+        time.sleep(0.1)
+    assert sends[-1] and len(sends) < 500  # cancelled long before max_tokens, final output attempted
+    assert loop.num_active == 0 and loop.engine.kv.num_used_blocks == 0

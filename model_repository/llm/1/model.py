@@ -32,10 +32,11 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         self.input_names = [i["name"] for i in model_config["input"]]
         config = EngineConfig.from_parameters(model_parameters(args))
-        self.engine = LLMEngine(config)
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics).start()
+        # built on the loop's thread, the one that runs its forwards (see backend/engine_loop.py)
+        self.loop = EngineLoop(lambda: LLMEngine(config), self.tokenizer, self.metrics).start()
+        self.engine = self.loop.engine
         pb_utils.Logger.log_info(f"llm: {config.runtime} engine on {config.model}, "
                                  f"{self.engine.kv.num_blocks} KV blocks of {config.block_size}, "
                                  f"max_model_len {self.engine.max_model_len}")
