@@ -31,6 +31,12 @@ LOG = logging.getLogger(__name__)
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 STUB = "triton_python_backend_stub"
 MiB = 1024 * 1024
+# OpenMP workers sleep at barriers instead of spinning. Measured on 2 cores (a 40-request burst, SmolLM2):
+# spinning (libgomp's default) serves 14 % more tok/s when the server has the cores to itself, but with
+# one other busy process on the box it serves 3.6x less than sleeping (a spinning worker burns the slice
+# its descheduled partner needs). Set OMP_WAIT_POLICY yourself to override; OMP_WAIT_POLICY=ACTIVE
+# GOMP_SPINCOUNT=300000 is libgomp's spinning default, for dedicated cores.
+SERVER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass(frozen=True)
@@ -82,10 +88,8 @@ def _server_env(libs_dir: Path | None) -> dict[str, str]:
     ld_path = [str(d) for d in (_libpython_dir(), libs_dir) if d] + [env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = ":".join(filter(None, ld_path))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    # OpenMP workers sleep at barriers instead of spinning: in a server they share the cores with Triton,
-    # the stubs and gRPC, and a spinning worker whose partner was descheduled burns its slice (2-thread HF
-    # steps went from 11 to 260+ ms under other load here). Set OMP_WAIT_POLICY yourself to override.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for key, value in SERVER_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
     return env
 
 

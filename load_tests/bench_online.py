@@ -18,8 +18,11 @@ rates, a burst sends all of its requests at once: the saturation throughput. Fin
 is the serving overhead.
 
     python -m load_tests.bench_online [--model default|DIR] [--rates 0.5,1,2,4,8] [--num-requests 64]
-        [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--omp-passive]
-        [--out results/online]
+        [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--out results/online]
+
+Every system, the offline engine included, runs under the server's OpenMP environment: the launcher's
+defaults (OMP_WAIT_POLICY=PASSIVE) unless set in the environment, so the serving overhead compares like
+with like.
 
 Writes online.json, online.md and three PNGs (throughput, TTFT p99 vs rate, latency CDF) to --out.
 On a shared machine the numbers are indicative: each run records the load average around it.
@@ -49,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from backend.launcher import TritonServer, free_ports
+from backend.launcher import SERVER_ENV_DEFAULTS, TritonServer, free_ports
 from backend.model_repository import configure_repository
 from backend.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
@@ -350,8 +353,8 @@ def markdown(results: list[RateResult], info: dict, totals: dict) -> str:
     lines = [f"# Online benchmark: {info['model']}", "",
              f"{info['num_requests']} requests per rate (Poisson arrivals, at most {info['max_seconds']:g} s "
              f"of arrivals; new random prompts each run; the burst's: {info['prompt_tokens']} prompt and "
-             f"{info['output_tokens']} output tokens), greedy, EOS ignored; {info['threads']} threads, OMP "
-             f"wait policy {info['omp_wait_policy']}; {info['machine']}. Latencies in ms.", "",
+             f"{info['output_tokens']} output tokens), greedy, EOS ignored; {info['threads']} threads, "
+             f"{info['omp_wait_policy']}; {info['machine']}. Latencies in ms.", "",
              "| system | rate req/s | sent | done | failed | achieved req/s | out tok/s | tok/CPU-s "
              "| TTFT p50 | TTFT p99 | SLO | ITL p50 | ITL p99 | TPOT p50 | E2E p50 | E2E p99 | load 1m |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -468,8 +471,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rate whose latency CDF is plotted (default: the middle rate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="OMP threads of every system")
-    p.add_argument("--omp-passive", action="store_true",
-                   help="OMP_WAIT_POLICY=PASSIVE for every system (for a machine shared with other work)")
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each system, wait up to this long for other processes to leave the CPU")
     p.add_argument("--out", type=Path, default=Path("results/online"))
@@ -488,8 +489,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers and the offline engine inherit it
-    if args.omp_passive:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    for key, value in SERVER_ENV_DEFAULTS.items():  # so does the server's OpenMP wait policy
+        os.environ.setdefault(key, value)
     model_dir = resolve_model(None if args.model == "default" else args.model)
     runs = [*args.rates, BURST]  # one workload each (seeds seed+1, seed+2, ...); seed itself warms up
     warmup = make_items(model_dir, 2, args.seed)
@@ -498,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     items = workloads[BURST]
     info = {"model": str(model_dir), "num_requests": len(items), "max_seconds": args.max_seconds,
             "rates": args.rates, "seed": args.seed, "threads": args.threads, "dtype": args.dtype,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "omp_wait_policy": " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                                        if k in os.environ),
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),
             "output_tokens": sum(i.max_tokens for i in items), "ttft_slo_s": TTFT_SLO_S,
             "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"}
