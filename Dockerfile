@@ -22,7 +22,7 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LLM_MODEL_CACHE=/models/SmolLM2-135M-Instruct
 
-# curl: the compose healthcheck. g++: the CPU paged-attention kernel compiles on first use (backend/kernels/).
+# curl: the compose healthcheck. g++: the CPU paged-attention kernel compiles on first use (backend/engine/kernels/).
 RUN apt-get update && apt-get install -y --no-install-recommends curl g++ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/llm
@@ -40,4 +40,4 @@ COPY . .
 RUN python3 -m pip install --no-deps -e .
 
 EXPOSE 8000 8001 8002
-CMD ["python3", "-m", "backend.launcher", "--model-repository", "/models/repository"]
+CMD ["python3", "-m", "backend.triton.launcher", "--model-repository", "/models/repository"]

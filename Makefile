@@ -18,7 +18,7 @@ $(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirem
 venv: $(STAMP)
 
 model: venv
-	$(BIN)/python -m build_engine.prepare_model
+	$(BIN)/python -m backend.serving.model_store
 
 test: model
 	$(BIN)/python -m pytest -q
@@ -28,7 +28,7 @@ test-slow: model
 
 # A real tritonserver (from the nvidia-pytriton wheel here; the image's own in Docker) on model_repository/.
 serve: model
-	$(BIN)/python -m backend.launcher --model-repository model_repository
+	$(BIN)/python -m backend.triton.launcher --model-repository model_repository
 
 clean:
 	rm -rf $(VENV) .cache

@@ -17,10 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.engine import EngineConfig
-from backend.models.llama import load_model_config
-from backend.runners.base import DTYPES
-from backend.runners.manifest import max_blocks_per_seq
+from backend.engine.config import EngineConfig
+from backend.engine.engine import kv_pool_blocks
+from backend.engine.models.llama import load_model_config
+from backend.engine.runners.base import DTYPES
+from backend.engine.runners.manifest import max_blocks_per_seq
+from backend.serving.model_store import resolve_model_dir
 
 
 @dataclass
@@ -44,7 +46,7 @@ def say(line: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    defaults = EngineConfig(model="")
+    defaults = EngineConfig.create(model="")
     p = argparse.ArgumentParser(prog="python -m build_engine", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default", help="HF safetensors folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--output", required=True, help="engine folder to write (replaced if it is an engine folder)")
@@ -52,12 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
     p.add_argument("--opset", type=int, default=None,
                    help="ONNX opset (default: 23 for onnxruntime, 18 for tensorrt; 23 needs TensorRT >= 10.14)")
-    p.add_argument("--max-num-tokens", type=int, default=defaults.max_num_batched_tokens,
+    p.add_argument("--max-num-tokens", type=int, default=defaults.scheduler.max_num_batched_tokens,
                    help="TensorRT profile: the engine's max_num_batched_tokens")
-    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="TensorRT profile")
+    p.add_argument("--max-num-seqs", type=int, default=defaults.scheduler.max_num_seqs, help="TensorRT profile")
     p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help=f"TensorRT profile: KV pool size (default: {defaults.kv_cache_memory_gb} GiB of blocks)")
-    p.add_argument("--block-size", type=int, default=defaults.block_size, help="TensorRT profile")
+                   help=f"TensorRT profile: KV pool size (default: {defaults.cache.kv_cache_memory_gb} GiB of blocks)")
+    p.add_argument("--block-size", type=int, default=defaults.cache.block_size, help="TensorRT profile")
     p.add_argument("--max-model-len", type=int, default=None, help="TensorRT profile (default: the model's)")
     p.add_argument("--q-tile", type=int, default=defaults.q_tile, help="TensorRT profile: attention row width")
     p.add_argument("--workspace-gb", type=float, default=4.0, help="TensorRT builder workspace")
@@ -76,12 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     output = Path(args.output).resolve()
     progress = Progress(total=4 + (args.runtime == "tensorrt") + (args.llm_config is not None))
     with progress.stage(f"preparing model {args.model}"):
-        if args.model == "default":
-            from build_engine.prepare_model import prepare_default_model
-
-            model_dir = prepare_default_model()
-        else:
-            model_dir = Path(args.model)
+        model_dir = resolve_model_dir(args.model)
     from build_engine.export_onnx import OPSETS, export_engine_dir
 
     opset = args.opset or OPSETS[args.runtime]
@@ -90,10 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.runtime == "tensorrt":
         from build_engine.tensorrt_build import BuildLimits, build_plan
 
-        config = EngineConfig(model=str(model_dir), dtype=args.dtype, block_size=args.block_size,
-                              num_kv_blocks=args.num_kv_blocks)
+        config = EngineConfig.create(model=str(model_dir), dtype=args.dtype, block_size=args.block_size,
+                                     num_kv_blocks=args.num_kv_blocks)
         cfg = load_model_config(model_dir)
-        num_blocks = config.num_blocks(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        num_blocks = kv_pool_blocks(config, cfg)
         limits = BuildLimits(max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
                              max_blocks_per_seq=max_blocks_per_seq(cfg, num_blocks, args.block_size,
                                                                    args.max_model_len),

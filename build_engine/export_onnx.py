@@ -8,7 +8,7 @@ through ONNX Runtime against PyTorch. One graph serves ONNX Runtime and TensorRT
   head, and ONNX Runtime spends most of a large decode step copying them (SmolLM2, 1 thread, decode
   at 128 tokens of context: batch 32 in 210 ms instead of 400, batch 64 in 390 instead of 760).
   TensorRT gets opset 18: TensorRT 10.0 parses opsets 9..20, and takes `Attention` only from 10.14.
-- Every axis that depends on the batch or the pool is dynamic (backend/runners/manifest.py), block
+- Every axis that depends on the batch or the pool is dynamic (backend/engine/runners/manifest.py), block
   size included, so one export serves every engine config of a model and dtype.
 - The cache is read through block tables only, without any copy of it (see `_fold_cache_selects`).
 - Weights go to an external data file beside the graph (no 2 GB protobuf limit).
@@ -30,16 +30,16 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from backend.batch import ModelInput, build_model_input
-from backend.kv_cache import cdiv
-from backend.models.llama import load_model_config
-from backend.runners.base import DTYPES
-from backend.runners.manifest import (CACHE_INPUT, DYNAMIC_AXES, INPUT_NAMES, MANIFEST_FILE, OUTPUT_NAMES,
+from backend.engine.batch import ModelInput, build_model_input
+from backend.engine.kv_cache import cdiv
+from backend.engine.models.llama import load_model_config
+from backend.engine.runners.base import DTYPES
+from backend.engine.runners.manifest import (CACHE_INPUT, DYNAMIC_AXES, INPUT_NAMES, MANIFEST_FILE, OUTPUT_NAMES,
                                       EngineManifest, weights_fingerprint)
-from backend.runners.torch_runner import TorchRunner
-from backend.sampling import SamplingParams
-from backend.sequence import Sequence
-from build_engine.prepare_model import REPO_ROOT
+from backend.engine.runners.torch_runner import TorchRunner
+from backend.engine.sampling import SamplingParams
+from backend.engine.sequence import Sequence
+from backend.serving.model_store import REPO_ROOT
 
 OPSETS = {"onnxruntime": 23, "tensorrt": 18}
 ONNX_FILE = "model.onnx"

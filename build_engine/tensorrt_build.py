@@ -7,7 +7,7 @@ precision itself; TensorRT rejects them on a strongly typed network (and TensorR
 strongly typed).
 
 One optimization profile covers every batch the engine config can schedule (see
-`backend.runners.manifest.axis_maxima`), tuned for a full decode step. Both outputs have
+`backend.engine.runners.manifest.axis_maxima`), tuned for a full decode step. Both outputs have
 input-defined shapes (logits [S, V], new_kv [L, 2, T, KVH, D]), so no output allocator is needed.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backend.runners.manifest import DYNAMIC_AXES, AxisRange, EngineManifest, TensorRTPlan, axis_maxima
+from backend.engine.runners.manifest import DYNAMIC_AXES, AxisRange, EngineManifest, TensorRTPlan, axis_maxima
 
 PLAN_FILE = "model.plan"
 

@@ -204,13 +204,11 @@ def build_random56m(path: Path = MODELS_DIR / RANDOM56M) -> Path:
 
 def resolve_model(name: str | None) -> Path:
     """The HF folder for --model: the project default, the built-in random56m, or a path."""
-    if name is None:
-        from build_engine.prepare_model import prepare_default_model
-
-        return Path(prepare_default_model())
     if name == RANDOM56M:
         return build_random56m()
-    return Path(name)
+    from backend.serving.model_store import resolve_model_dir
+
+    return resolve_model_dir(name or "default")
 
 
 # --------------------------------------------------------------------------- systems
@@ -227,9 +225,14 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
                runtime: str = "torch") -> SystemResult:
     """Our engine through its online API, so progress shows as requests finish."""
     from backend.engine import EngineConfig, LLMEngine
-    from backend.sampling import SamplingParams
+    from backend.engine.sampling import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, runtime=runtime))
+    engine_dir = None
+    if runtime == "onnxruntime":  # exported once into .cache/engines/, like `python -m build_engine`
+        from build_engine.export_onnx import cached_engine_dir
+
+        engine_dir = str(cached_engine_dir(model_dir, dtype))
+    engine = LLMEngine(EngineConfig.create(model=str(model_dir), dtype=dtype, runtime=runtime, engine_dir=engine_dir))
     counter = iter(range(sys.maxsize))
 
     def generate(batch: list[Request], progress: Progress) -> Outputs:

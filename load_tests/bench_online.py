@@ -52,9 +52,9 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from backend.launcher import SERVER_ENV_DEFAULTS, TritonServer, free_ports
-from backend.model_repository import configure_repository
-from backend.tokenizer import encode, load_tokenizer
+from backend.triton.launcher import SERVER_ENV_DEFAULTS, TritonServer, free_ports
+from backend.triton.repository import configure_repository
+from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
 from load_tests.bench_offline import VLLM_PYTHON, resolve_model, run_system, wait_for_idle
 from load_tests.server_stats import find_tritonserver, tree_cpu_seconds

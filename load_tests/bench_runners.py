@@ -29,13 +29,17 @@ import numpy as np
 import onnxruntime
 import torch
 
-from backend.batch import build_model_input
-from backend.engine import EngineConfig, create_runner
-from backend.kv_cache import cdiv
-from backend.models.llama import ModelConfig, load_model_config
-from backend.runners.base import Runner, torch_dtype
-from backend.sampling import SamplingParams
-from backend.sequence import Sequence
+from backend.engine.batch import build_model_input
+from backend.engine.config import EngineConfig
+from backend.engine.runners.factory import create_runner
+from backend.engine.runners.onnx_runner import check_supported
+from backend.serving.model_store import resolve_model_dir
+from build_engine.export_onnx import cached_engine_dir
+from backend.engine.kv_cache import cdiv
+from backend.engine.models.llama import ModelConfig, load_model_config
+from backend.engine.runners.base import Runner, torch_dtype
+from backend.engine.sampling import SamplingParams
+from backend.engine.sequence import Sequence
 
 BLOCK_SIZE = 16
 PREFILL_TOKENS = 512  # per prefill step, as the engine's default token budget
@@ -127,23 +131,22 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    if args.model == "default":
-        from build_engine.prepare_model import prepare_default_model
-
-        model_dir = prepare_default_model()
-    else:
-        model_dir = Path(args.model)
+    model_dir = resolve_model_dir(args.model)
     cfg = load_model_config(model_dir)
     dtype = torch_dtype(args.dtype)
     blocks_per_seq = cdiv(args.context + WARMUP_STEPS + args.steps + 1, BLOCK_SIZE)
     num_blocks = max(args.batch_sizes) * blocks_per_seq
-    config = EngineConfig(model=str(model_dir), dtype=args.dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks)
+    config = EngineConfig.create(model=str(model_dir), dtype=args.dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks)
 
     runners: dict[str, Runner] = {}
     unsupported: dict[str, str] = {}
     for runtime in args.runtimes:
         try:
-            runners[runtime] = create_runner(replace(config, runtime=runtime), num_blocks)
+            engine_dir = None
+            if runtime == "onnxruntime":
+                check_supported("cpu", args.dtype)  # before minutes of export
+                engine_dir = str(cached_engine_dir(model_dir, args.dtype))
+            runners[runtime] = create_runner(replace(config, runtime=runtime, engine_dir=engine_dir), num_blocks)
         except ValueError as e:  # e.g. onnxruntime's CPU provider has no bfloat16 kernels
             unsupported[runtime] = str(e)
     rows = [measure(runtime, runner, make_sequences(b, args.context, cfg.vocab_size, blocks_per_seq, seed=b),

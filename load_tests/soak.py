@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.launcher import TritonServer
+from backend.triton.launcher import TritonServer
 from client.client import LLMClient
 from load_tests.bench_offline import resolve_model
 from load_tests.bench_online import ours_repository

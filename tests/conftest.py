@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from build_engine.prepare_model import prepare_default_model
+from backend.serving.model_store import prepare_default_model
 from tests.tiny_model import make_tiny_llama
 
 
@@ -29,8 +29,8 @@ LLM_TEST_SETTINGS = {"max_num_seqs": "48", "max_waiting": "16", "kv_cache_memory
 
 def start_server(repo_dir: Path, model_dir: Path, llm_settings: dict[str, str]):
     """A real tritonserver on a copy of model_repository pointed at `model_dir`."""
-    from backend.launcher import TritonServer
-    from backend.model_repository import configure_repository
+    from backend.triton.launcher import TritonServer
+    from backend.triton.repository import configure_repository
 
     params = {m: {"model": str(model_dir)} for m in SERVED_MODELS}
     params["llm"].update(llm_settings)

@@ -13,13 +13,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from backend.batch import build_model_input
-from backend.models.llama import ModelConfig
-from backend.runners.manifest import (DYNAMIC_AXES, INPUT_NAMES, OUTPUT_NAMES, AxisRange, EngineManifest,
+from backend.engine.batch import build_model_input
+from backend.engine.models.llama import ModelConfig
+from backend.engine.runners.manifest import (DYNAMIC_AXES, INPUT_NAMES, OUTPUT_NAMES, AxisRange, EngineManifest,
                                       EngineMismatchError, TensorRTPlan, axis_maxima)
-from backend.sampling import SamplingParams
-from backend.sequence import Sequence
-from build_engine.llm_config import set_string_parameters, update_llm_config
+from backend.engine.sampling import SamplingParams
+from backend.engine.sequence import Sequence
+from backend.triton.repository import set_string_parameters
+from build_engine.llm_config import update_llm_config
 from build_engine.tensorrt_build import BuildLimits, build_plan
 
 SAMPLE_CONFIG = """\

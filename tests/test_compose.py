@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-import backend.launcher
+import backend.triton.launcher
 
 REPO = Path(__file__).resolve().parents[1]
 # Files that other work in progress is writing: a check that needs a missing one is skipped, naming it.
@@ -96,7 +96,7 @@ def _option(args: list[str], flag: str) -> str:
 
 
 def _triton_command() -> list[str]:
-    return _module_args(SERVICES["triton"]["command"], "backend.launcher")
+    return _module_args(SERVICES["triton"]["command"], "backend.triton.launcher")
 
 
 def _require(relpath: str, present: bool) -> None:
@@ -129,8 +129,8 @@ def _parse_cli(run: Callable[[], object], command_line: str, monkeypatch, capsys
 
 
 def _launcher_args(args: list[str], monkeypatch, capsys) -> argparse.Namespace:
-    # main(argv), not runpy: backend.launcher is already imported, and runpy warns about running it again.
-    return _parse_cli(lambda: backend.launcher.main(args), f"python3 -m backend.launcher {shlex.join(args)}",
+    # main(argv), not runpy: backend.triton.launcher is already imported, and runpy warns about running it again.
+    return _parse_cli(lambda: backend.triton.launcher.main(args), f"python3 -m backend.triton.launcher {shlex.join(args)}",
                       monkeypatch, capsys)
 
 
@@ -245,7 +245,7 @@ def test_build_engine_accepts_prepare_command(monkeypatch, capsys):
 
 def test_dockerfile_cmd_is_the_triton_command(monkeypatch, capsys):
     (cmd,) = [yaml.safe_load(args) for instr, args in DOCKERFILE if instr == "CMD"]
-    args = _launcher_args(_module_args(cmd, "backend.launcher"), monkeypatch, capsys)
+    args = _launcher_args(_module_args(cmd, "backend.triton.launcher"), monkeypatch, capsys)
     assert str(args.model_repository) == _option(_triton_command(), "--model-repository")
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from backend.detokenize import (
+from backend.serving.detokenize import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     context_before,
     decode_delta,
     decode_text,
 )
-from backend.tokenizer import encode, load_tokenizer
+from backend.serving.tokenizer import encode, load_tokenizer
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog.  Twice!",

@@ -7,15 +7,16 @@ import math
 import pytest
 
 from backend.engine import EngineConfig, LLMEngine, UnknownRequestError
-from backend.sampling import InvalidRequestError, SamplingParams
-from backend.scheduler import QueueFullError
+from backend.engine.errors import InvalidRequestError
+from backend.engine.sampling import SamplingParams
+from backend.engine.errors import QueueFullError
 
 PROMPT = list(range(100, 140))
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=16, max_waiting=8, max_num_seqs=4))
+    return LLMEngine(EngineConfig.create(model=str(tiny_model_dir), max_num_batched_tokens=16, max_waiting=8, max_num_seqs=4))
 
 
 def drain(engine: LLMEngine) -> dict[str, tuple[list[int], str | None]]:

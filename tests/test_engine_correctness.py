@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from backend.engine import EngineConfig, LLMEngine
-from backend.sampling import SamplingParams
+from backend.engine.sampling import SamplingParams
 from tests.reference import hf_greedy
 
 
@@ -61,7 +61,7 @@ SCENARIOS = {
 
 
 def check_scenario(model_dir, name: str, refs_cache: dict, attention: str = "auto") -> None:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), attention=attention, **SCENARIOS[name]))
+    engine = LLMEngine(EngineConfig.create(model=str(model_dir), attention=attention, **SCENARIOS[name]))
     reqs = workload(engine.model_config.vocab_size)
     key = str(model_dir)
     if key not in refs_cache:

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from backend.detokenize import decode_text
+from backend.serving.detokenize import decode_text
 from backend.engine import EngineConfig, LLMEngine
-from backend.engine_loop import EngineDeadError, EngineLoop, Submission
-from backend.request_params import GenerationRequest
-from backend.sampling import SamplingParams
-from backend.tokenizer import load_tokenizer
-from backend.runners.torch_runner import TorchRunner
+from backend.serving.engine_thread import EngineDeadError, EngineLoop, Submission
+from backend.serving.request import GenerationRequest
+from backend.engine.sampling import SamplingParams
+from backend.serving.tokenizer import load_tokenizer
+from backend.engine.runners.torch_runner import TorchRunner
 
 PROMPT = list(range(200, 230))
 
@@ -52,14 +52,14 @@ def submit(loop: EngineLoop, client_id: str = "c", max_tokens: int = 8, **reques
 
 @pytest.fixture
 def loop(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir))
+    config = EngineConfig.create(model=str(tiny_model_dir))
     loop = EngineLoop(lambda: LLMEngine(config), load_tokenizer(tiny_model_dir)).start()
     yield loop
     loop.shutdown()
 
 
 def test_requests_stream_in_order_and_end_once(loop, tiny_model_dir):
-    expected = LLMEngine(EngineConfig(model=str(tiny_model_dir))).generate(
+    expected = LLMEngine(EngineConfig.create(model=str(tiny_model_dir))).generate(
         [PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     recs = [submit(loop, f"c{i}") for i in range(5)]
     for rec in recs:
@@ -69,7 +69,7 @@ def test_requests_stream_in_order_and_end_once(loop, tiny_model_dir):
 
 
 def test_stop_by_client_id_cancels_every_request_with_it(tiny_model_dir):
-    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model=str(tiny_model_dir))))
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))))
     # queued before the loop runs, so the stop lands before any of them can finish, however loaded the machine
     a, b, other = submit(loop, "x", max_tokens=500), submit(loop, "x", max_tokens=500), submit(loop, "y", 6)
     loop.stop_request("x")
@@ -125,8 +125,8 @@ class FailingRunner:
 
 
 def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
-    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.block_size), fail_at=3)
+    config = EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)
+    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.cache.block_size), fail_at=3)
     loop = EngineLoop(lambda: LLMEngine(config, runner=runner))
     recs = [submit(loop, f"c{i}", max_tokens=50) for i in range(3)]  # all in flight when step 3 fails
     loop.start()
@@ -140,12 +140,12 @@ def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_
 
 
 def test_the_engine_is_built_on_the_loop_thread(tiny_model_dir):
-    """One OpenMP master for every forward (see backend/engine_loop.py): build and steps share a thread."""
+    """One OpenMP master for every forward (see backend/serving/engine_thread.py): build and steps share a thread."""
     threads: list[str] = []
 
     def build() -> LLMEngine:
         threads.append(threading.current_thread().name)
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+        return LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))
 
     loop = EngineLoop(build).start()
     assert threads == ["engine-loop"] and loop.engine is not None and loop.alive
@@ -155,7 +155,7 @@ def test_the_engine_is_built_on_the_loop_thread(tiny_model_dir):
 
 def test_a_failed_build_raises_from_start_and_fails_queued_requests(tiny_model_dir):
     def build() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float8"))
+        return LLMEngine(EngineConfig.create(model=str(tiny_model_dir), dtype="float8"))
 
     loop = EngineLoop(build)
     queued = submit(loop)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from backend.kv_cache import BlockPool, KVCacheManager, chain_hash
-from backend.sampling import SamplingParams
-from backend.sequence import Sequence
+from backend.engine.kv_cache import BlockPool, KVCacheManager, chain_hash
+from backend.engine.sampling import SamplingParams
+from backend.engine.sequence import Sequence
 
 
 def make_seq(rid: str, tokens: list[int]) -> Sequence:
@@ -72,7 +72,7 @@ def test_manager_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
     hits = kv.find_cached_prefix(b)
     assert hits == a.block_ids[:2]  # the last block is recomputed: its last token gives the logits
     assert kv.allocate(b, len(prompt) - 8, hits)
-    assert b.num_computed_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    assert b.block_ids[:2] == a.block_ids[:2] and len(b.block_ids) == 3  # 2 shared + 1 for tokens 8..11
     assert kv.pool.blocks[a.block_ids[0]].ref_count == 2
     assert kv.stats.hit_tokens == 8
 

@@ -1,4 +1,4 @@
-"""A real tritonserver, started by backend.launcher, streams a decoupled python model (no GPU needed)."""
+"""A real tritonserver, started by backend.triton.launcher, streams a decoupled python model (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonInstall, TritonServer, find_tritonserver, free_ports
+from backend.triton.launcher import TritonInstall, TritonServer, find_tritonserver, free_ports
 
 MODEL = "stream"
 CONFIG = f"""
@@ -158,7 +158,7 @@ def test_model_failure_is_raised_with_the_log_tail(tmp_path: Path) -> None:
 
 def test_cli_serves_until_sigint(server: TritonServer, tmp_path: Path) -> None:
     http, grpc, metrics = free_ports(3)
-    cmd = [sys.executable, "-m", "backend.launcher", "--model-repository", str(server.model_repository),
+    cmd = [sys.executable, "-m", "backend.triton.launcher", "--model-repository", str(server.model_repository),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--log-file", str(tmp_path / "cli.log"), "--", *FAST]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,

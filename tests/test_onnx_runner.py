@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from backend.engine import EngineConfig, LLMEngine
-from backend.models.llama import load_model_config
-from backend.runners.manifest import DYNAMIC_AXES, INPUT_NAMES, OUTPUT_NAMES, EngineManifest, EngineMismatchError
-from backend.runners.onnx_runner import OnnxRunner
-from backend.runners.torch_runner import TorchRunner
+from backend.engine.models.llama import load_model_config
+from backend.engine.runners.manifest import DYNAMIC_AXES, INPUT_NAMES, OUTPUT_NAMES, EngineManifest, EngineMismatchError
+from backend.engine.runners.onnx_runner import OnnxRunner
+from backend.engine.runners.torch_runner import TorchRunner
 from build_engine import export_onnx
 from build_engine.export_onnx import EXAMPLE_BLOCK_SIZE, ONNX_FILE, OPSETS, export_engine_dir, sample_batches
 from tests.reference import hf_greedy
@@ -46,10 +46,10 @@ def hf_reference(model_dir: Path) -> list[list[int]]:
 
 def check_against_torch_and_hf(model_dir: Path, engine_dir: Path, scenario: str) -> None:
     settings = dict(model=str(model_dir), **SCENARIOS[scenario])
-    onnx_engine = LLMEngine(EngineConfig(runtime="onnxruntime", engine_dir=str(engine_dir), **settings))
+    onnx_engine = LLMEngine(EngineConfig.create(runtime="onnxruntime", engine_dir=str(engine_dir), **settings))
     reqs = workload(onnx_engine.model_config.vocab_size)
     outs = run(onnx_engine, reqs, use_priority=False)
-    torch_outs = run(LLMEngine(EngineConfig(**settings)), reqs, use_priority=False)
+    torch_outs = run(LLMEngine(EngineConfig.create(**settings)), reqs, use_priority=False)
     refs = hf_reference(model_dir)
     assert [i for i, (o, t) in enumerate(zip(outs, torch_outs)) if o != t] == [], "differs from the torch runner"
     assert [i for i, (o, r) in enumerate(zip(outs, refs)) if o != r] == [], "differs from HF generate"
@@ -113,9 +113,10 @@ def test_other_model_is_refused(tiny_engine_dir, tmp_path):
         OnnxRunner(tiny_engine_dir, other, "float32", 8, 16)
 
 
-def test_engine_dir_none_exports_once_into_the_cache(tiny_model_dir, tiny_engine_dir, tmp_path, monkeypatch):
-    """runtime onnxruntime without engine_dir uses <cache>/<model>-<dtype>/, exporting only when it is
-    missing or the model's weight files changed."""
+def test_cached_engine_dir_exports_once_and_again_when_weights_change(tiny_model_dir, tiny_engine_dir, tmp_path,
+                                                                      monkeypatch):
+    """build_engine's cache for tools and tests: <cache>/<model>-<dtype>/, exported only when it is missing or
+    the model's weight files changed."""
     monkeypatch.setenv("LLM_ENGINE_CACHE", str(tmp_path))
     exports: list[Path] = []
 
@@ -124,12 +125,18 @@ def test_engine_dir_none_exports_once_into_the_cache(tiny_model_dir, tiny_engine
         shutil.copytree(tiny_engine_dir, engine_dir, dirs_exist_ok=True)
 
     monkeypatch.setattr(export_onnx, "export_engine_dir", fake_export)
-    config = EngineConfig(model=str(tiny_model_dir), runtime="onnxruntime", num_kv_blocks=32)
-    LLMEngine(config)
-    LLMEngine(config)
+    first = export_onnx.cached_engine_dir(tiny_model_dir, "float32")
+    assert export_onnx.cached_engine_dir(tiny_model_dir, "float32") == first
     assert exports == [tmp_path / f"{tiny_model_dir.name}-float32"]
+    LLMEngine(EngineConfig.create(model=str(tiny_model_dir), runtime="onnxruntime", engine_dir=str(first),
+                                  num_kv_blocks=32))
     manifest = EngineManifest.load(exports[0])
     manifest.weights[0][2] += 1  # as if the model's safetensors had been rewritten since
     manifest.save(exports[0])
-    LLMEngine(config)
+    export_onnx.cached_engine_dir(tiny_model_dir, "float32")
     assert len(exports) == 2
+
+
+def test_the_engine_never_exports_it_asks_for_engine_dir(tiny_model_dir):
+    with pytest.raises(ValueError, match="engine_dir: .*python -m build_engine --runtime onnxruntime"):
+        LLMEngine(EngineConfig.create(model=str(tiny_model_dir), runtime="onnxruntime", num_kv_blocks=32))

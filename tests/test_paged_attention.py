@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from backend.batch import build_model_input
-from backend.kernels import paged_attention
-from backend.models.llama import KernelLayout, ModelConfig, RowLayout
-from backend.sampling import SamplingParams
-from backend.sequence import Sequence
+from backend.engine.batch import build_model_input
+from backend.engine.kernels import paged_attention
+from backend.engine.models.llama import KernelLayout, ModelConfig, RowLayout
+from backend.engine.sampling import SamplingParams
+from backend.engine.sequence import Sequence
 
 H, KVH, D, BLOCK = 6, 2, 16, 4
 CFG = ModelConfig("llama", 100, H * D, 4 * H * D, 1, H, KVH, D, 4096, 1e-5, True, False, ())

@@ -2,10 +2,12 @@
 
 import pytest
 
-from backend.kv_cache import KVCacheManager
-from backend.sampling import SamplingParams
-from backend.scheduler import QueueFullError, Scheduler, SchedulerConfig, TenantQuota
-from backend.sequence import Sequence, Status
+from backend.engine.kv_cache import KVCacheManager
+from backend.engine.sampling import SamplingParams
+from backend.engine.config import SchedulerConfig, TenantQuota
+from backend.engine.errors import QueueFullError
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import FinishReason, Sequence, Status
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, tenant: str | None = None,
@@ -15,18 +17,15 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, tenan
                     arrival_index=arrival[0], priority=priority, tenant=tenant)
 
 
-def make(num_blocks: int = 64, block_size: int = 4, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+def make(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 2048, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, enable_prefix_caching=False),
+                     max_model_len)
 
 
 def advance(sched: Scheduler, out) -> None:
-    """What the engine does after a forward: count computed tokens, append a token when caught up."""
-    for s, n in out.scheduled:
-        s.num_computed_tokens += n
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_token_ids.append(7)
-            if len(s.output_token_ids) == s.params.max_tokens:
-                sched.remove(s)
+    """What the engine does after a forward: token 7 for every sequence that caught up."""
+    caught_up = {i: (7, None) for i, (s, n) in enumerate(out.scheduled) if s.num_computed_tokens + n == s.num_tokens}
+    sched.update_from_output(out, caught_up)
 
 
 def test_decodes_first_then_prefill_chunks_under_the_token_budget():
@@ -77,8 +76,8 @@ def test_max_utilization_preempts_lowest_priority_newest_and_resumes_it():
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
     assert b.output_token_ids == [7]  # recompute keeps the output; b will recompute prompt + output
     assert sched.kv.num_used_blocks == sum(len(s.block_ids) for s in (a, c))
-    sched.remove(a)
-    sched.remove(c)
+    sched.finish(a, FinishReason.CANCELLED)
+    sched.finish(c, FinishReason.CANCELLED)
     out = sched.schedule()
     assert [(s.request_id, n) for s, n in out.scheduled] == [("b", 8)]
 

@@ -14,10 +14,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.detokenize import decode_text
+from backend.serving.detokenize import decode_text
 from backend.engine import EngineConfig, LLMEngine
-from backend.sampling import SamplingParams
-from backend.tokenizer import encode, load_tokenizer
+from backend.engine.sampling import SamplingParams
+from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient, build_inputs
 from tests.conftest import LLM_TEST_SETTINGS, start_server
 
@@ -33,7 +33,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tokenizer):
     """Offline engine text for a prompt: what every serving path must reproduce."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir)))
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))
     cache: dict[tuple[str, int], str] = {}
 
     def text(prompt: str, max_tokens: int) -> str:
@@ -284,7 +284,10 @@ def test_direct_llm_sees_grpc_cancel_and_frees_kv(server, tokenizer):
 
 @pytest.fixture(scope="module")
 def onnx_server(tmp_path_factory, tiny_model_dir):
-    settings = {**LLM_TEST_SETTINGS, "runtime": "onnxruntime"}  # exports the graph on first load
+    from build_engine.export_onnx import cached_engine_dir
+
+    settings = {**LLM_TEST_SETTINGS, "runtime": "onnxruntime",
+                "engine_dir": str(cached_engine_dir(tiny_model_dir, "float32"))}
     with start_server(tmp_path_factory.mktemp("repo_onnx"), tiny_model_dir, settings) as srv:
         srv.wait_ready(600)
         yield srv

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from backend.detokenize import decode_text
+from backend.serving.detokenize import decode_text
 from backend.engine import EngineConfig, LLMEngine
-from backend.sampling import SamplingParams
-from backend.tokenizer import encode, load_tokenizer
+from backend.engine.sampling import SamplingParams
+from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
 from tests.conftest import start_server
 
@@ -27,7 +27,7 @@ def smol_server(tmp_path_factory, smollm2_dir):
 @pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
 def test_smollm2_stream_equals_whole_equals_engine(smol_server, smollm2_dir, model):
     tokenizer = load_tokenizer(smollm2_dir)
-    engine = LLMEngine(EngineConfig(model=str(smollm2_dir)))
+    engine = LLMEngine(EngineConfig.create(model=str(smollm2_dir)))
     with LLMClient(smol_server.url_grpc, model) as client:
         for prompt in PROMPTS:
             ids = encode(tokenizer, prompt, apply_chat_template=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend.engine import EngineConfig, LLMEngine
-from backend.runners.manifest import EngineMismatchError
+from backend.engine.runners.manifest import EngineMismatchError
 from tests.test_engine_correctness import SCENARIOS, run, workload
 from tests.test_onnx_runner import hf_reference
 
@@ -39,10 +39,10 @@ def tiny_plan_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def test_tiny_tensorrt_matches_torch_and_hf(tiny_model_dir, tiny_plan_dir, scenario):
     settings = {"model": str(tiny_model_dir), "device": "cuda", "num_kv_blocks": LIMITS.num_kv_blocks,
                 **SCENARIOS[scenario]}
-    engine = LLMEngine(EngineConfig(runtime="tensorrt", engine_dir=str(tiny_plan_dir), **settings))
+    engine = LLMEngine(EngineConfig.create(runtime="tensorrt", engine_dir=str(tiny_plan_dir), **settings))
     reqs = workload(engine.model_config.vocab_size)
     outs = run(engine, reqs, use_priority=False)
-    torch_outs = run(LLMEngine(EngineConfig(**settings)), reqs, use_priority=False)
+    torch_outs = run(LLMEngine(EngineConfig.create(**settings)), reqs, use_priority=False)
     assert [i for i, (o, t) in enumerate(zip(outs, torch_outs)) if o != t] == [], "differs from the torch runner"
     assert [i for i, (o, r) in enumerate(zip(outs, hf_reference(tiny_model_dir))) if o != r] == [], \
         "differs from HF generate"
@@ -51,7 +51,7 @@ def test_tiny_tensorrt_matches_torch_and_hf(tiny_model_dir, tiny_plan_dir, scena
 
 
 def test_config_beyond_the_profile_is_refused(tiny_model_dir, tiny_plan_dir):
-    config = EngineConfig(model=str(tiny_model_dir), runtime="tensorrt", engine_dir=str(tiny_plan_dir),
+    config = EngineConfig.create(model=str(tiny_model_dir), runtime="tensorrt", engine_dir=str(tiny_plan_dir),
                           device="cuda", num_kv_blocks=LIMITS.num_kv_blocks, max_num_batched_tokens=256)
     with pytest.raises(EngineMismatchError, match="T needs 256"):
         LLMEngine(config)

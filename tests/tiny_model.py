@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from build_engine.prepare_model import prepare_default_model
+from backend.serving.model_store import prepare_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VOCAB_KEYS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")  # taken from SmolLM2's config

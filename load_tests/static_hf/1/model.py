@@ -10,11 +10,11 @@ import torch
 import triton_python_backend_utils as pb_utils
 from transformers import AutoModelForCausalLM
 
-from backend.detokenize import IncrementalDetokenizer
-from backend.request_params import DEFAULT_MAX_TOKENS, parse_text
-from backend.sampling import InvalidRequestError
-from backend.tokenizer import encode, load_tokenizer
-from build_engine.prepare_model import resolve_model_dir
+from backend.serving.detokenize import IncrementalDetokenizer
+from backend.serving.request import DEFAULT_MAX_TOKENS, parse_text
+from backend.engine.errors import InvalidRequestError
+from backend.serving.tokenizer import encode, load_tokenizer
+from backend.serving.model_store import resolve_model_dir
 from load_tests.static_batcher import Job, StaticBatcher
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,44 +1,34 @@
-"""Triton glue for the engine (decoupled). The logic lives in backend/: engine_loop, request_params, responses."""
+"""Triton glue for the engine (decoupled). The logic lives in backend/serving (engine thread, request parsing)
+and backend/triton (config, responses, metrics)."""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import EngineConfig, LLMEngine
-from backend.engine_loop import EngineDeadError, EngineLoop, Submission
-from backend.metrics import TritonMetrics
-from backend.request_params import parse_request
-from backend.responses import ResponseBuilder
-from backend.sampling import InvalidRequestError
-from backend.scheduler import QueueFullError
-from backend.tokenizer import load_tokenizer
-from backend.triton_glue import model_parameters, read_inputs
+from backend.engine import LLMEngine
+from backend.serving.engine_thread import EngineLoop, Submission
+from backend.serving.request import parse_request
+from backend.serving.tokenizer import load_tokenizer
+from backend.triton.config import engine_config_from_parameters
+from backend.triton.glue import error_response, model_parameters, read_inputs
+from backend.triton.metrics import TritonMetrics
+from backend.triton.responses import ResponseBuilder
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def error_response(err: Exception) -> "pb_utils.InferenceResponse":
-    if isinstance(err, InvalidRequestError):
-        code = pb_utils.TritonError.INVALID_ARG
-    elif isinstance(err, (QueueFullError, EngineDeadError)):
-        code = pb_utils.TritonError.UNAVAILABLE
-    else:
-        code = pb_utils.TritonError.INTERNAL
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code))
 
 
 class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         self.input_names = [i["name"] for i in model_config["input"]]
-        config = EngineConfig.from_parameters(model_parameters(args))
+        config = engine_config_from_parameters(model_parameters(args))
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        # built on the loop's thread, the one that runs its forwards (see backend/engine_loop.py)
+        # built on the loop's thread, the one that runs its forwards (see backend/serving/engine_thread.py)
         self.loop = EngineLoop(lambda: LLMEngine(config), self.tokenizer, self.metrics).start()
         self.engine = self.loop.engine
         pb_utils.Logger.log_info(f"llm: {config.runtime} engine on {config.model}, "
-                                 f"{self.engine.kv.num_blocks} KV blocks of {config.block_size}, "
+                                 f"{self.engine.kv.num_blocks} KV blocks of {config.cache.block_size}, "
                                  f"max_model_len {self.engine.max_model_len}")
 
     def is_ready(self) -> bool:  # called by python backends that support it (not 2.51)
@@ -56,7 +46,7 @@ class TritonPythonModel:
                     continue
                 self.loop.submit(self._submission(request.request_id(), req, sender))
             except Exception as err:  # noqa: BLE001 - this request's error; the server serves on
-                sender.send(error_response(err), flags=FINAL)
+                sender.send(error_response(pb_utils, err), flags=FINAL)
         return None
 
     @staticmethod
@@ -69,7 +59,7 @@ class TritonPythonModel:
                 sender.send(_tensors_response(tensors), flags=FINAL if out.finished else 0)
 
         return Submission(client_id=client_id, request=req, emit=emit,
-                          fail=lambda err: sender.send(error_response(err), flags=FINAL),
+                          fail=lambda err: sender.send(error_response(pb_utils, err), flags=FINAL),
                           is_cancelled=sender.is_cancelled)
 
     def finalize(self):

@@ -1,6 +1,6 @@
 """Triton glue: text -> llm (BLS, streamed) -> text, forwarding client cancels to the llm as `stop`.
 
-Tokenizes and detokenizes with backend/tokenizer.py and backend/detokenize.py (stateful here: one
+Tokenizes and detokenizes with backend/serving/tokenizer.py and backend/serving/detokenize.py (stateful here: one
 thread follows the whole stream), so the text equals the ensemble's.
 """
 
@@ -11,11 +11,10 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.detokenize import IncrementalDetokenizer
-from backend.request_params import parse_text
-from backend.sampling import InvalidRequestError
-from backend.tokenizer import encode
-from backend.triton_glue import model_parameters, model_tokenizer, read_inputs
+from backend.serving.detokenize import IncrementalDetokenizer
+from backend.serving.request import parse_text
+from backend.serving.tokenizer import encode
+from backend.triton.glue import error_response, model_parameters, model_tokenizer, read_inputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
@@ -42,7 +41,7 @@ class TritonPythonModel:
         try:
             inputs = read_inputs(pb_utils, request, self.input_names)
             stop = "stop" in inputs and bool(inputs["stop"].reshape(-1)[0])
-            text = parse_text(inputs["text_input"], allow_empty=stop)
+            text = parse_text(inputs.get("text_input"), allow_empty=stop)
             if stop:
                 with self.lock:
                     targets = list(self.active.get(client_id, ()))
@@ -53,13 +52,8 @@ class TritonPythonModel:
             chat = "apply_chat_template" in inputs and bool(inputs["apply_chat_template"].reshape(-1)[0])
             ids = np.asarray(encode(self.tokenizer, text, apply_chat_template=chat), dtype=np.int32).reshape(1, -1)
             self._generate(client_id, ids, inputs, sender)
-        except InvalidRequestError as err:
-            sender.send(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
         except Exception as err:  # noqa: BLE001 - this request's error; the model serves on
-            pb_utils.Logger.log_error(f"llm_bls: {err!r}")
-            sender.send(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"llm_bls: {err}", pb_utils.TritonError.INTERNAL)), flags=FINAL)
+            sender.send(error_response(pb_utils, err), flags=FINAL)
 
     def _generate(self, client_id: str, ids: np.ndarray, inputs: dict, sender) -> None:
         llm_id = f"bls-{uuid.uuid4().hex}"

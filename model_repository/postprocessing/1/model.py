@@ -1,10 +1,10 @@
-"""Triton glue: (context_ids, output_ids, is_final) -> text_output via backend/detokenize.py."""
+"""Triton glue: (context_ids, output_ids, is_final) -> text_output via backend/serving/detokenize.py."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.detokenize import decode_delta
-from backend.triton_glue import model_tokenizer
+from backend.serving.detokenize import decode_delta
+from backend.triton.glue import model_tokenizer
 
 
 class TritonPythonModel:

@@ -1,12 +1,11 @@
-"""Triton glue: text_input -> input_ids with the model's tokenizer (backend/tokenizer.py)."""
+"""Triton glue: text_input -> input_ids with the model's tokenizer (backend/serving/tokenizer.py)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.request_params import parse_text
-from backend.sampling import InvalidRequestError
-from backend.tokenizer import encode
-from backend.triton_glue import model_tokenizer
+from backend.serving.request import parse_text
+from backend.serving.tokenizer import encode
+from backend.triton.glue import error_response, model_tokenizer
 
 
 class TritonPythonModel:
@@ -23,9 +22,8 @@ class TritonPythonModel:
                 ids = encode(self.tokenizer, text, apply_chat_template=flag("apply_chat_template")) if text else []
                 out = pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
-            except InvalidRequestError as err:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(err), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as err:  # noqa: BLE001 - this request's error; the model serves on
+                responses.append(error_response(pb_utils, err))
         return responses
 
 

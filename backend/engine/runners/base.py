@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
-from backend.batch import ModelInput
-from backend.models.llama import ModelConfig
+from backend.engine.batch import ModelInput
+from backend.engine.models.llama import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -18,39 +18,12 @@ sequences and KV blocks; a tenant over its block quota preempts its own newest s
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
-from backend.kv_cache import KVCacheManager
-from backend.sequence import Sequence, Status
-
-AdmissionPolicy = Literal["max_utilization", "guaranteed_no_evict"]
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound: the server is overloaded."""
-
-
-@dataclass(frozen=True)
-class TenantQuota:
-    max_running: int | None = None
-    max_blocks: int | None = None
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    admission_policy: AdmissionPolicy = "max_utilization"
-    max_waiting: int = 1024
-    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)  # "*" applies to unnamed tenants
-
-    def __post_init__(self) -> None:
-        if self.admission_policy not in ("max_utilization", "guaranteed_no_evict"):
-            raise ValueError(f"admission_policy: unknown policy {self.admission_policy!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+from backend.engine.config import SchedulerConfig, TenantQuota
+from backend.engine.errors import QueueFullError
+from backend.engine.kv_cache import KVCacheManager
+from backend.engine.sequence import FinishReason, Sequence, Status
 
 
 @dataclass
@@ -64,9 +37,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len  # the config's, resolved against the model and the pool
+        self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []  # sorted by Sequence.order_key
         self.running: list[Sequence] = []  # sorted by Sequence.order_key at each step
         self.num_preemptions = 0
@@ -83,14 +59,15 @@ class Scheduler:
         seq.status = Status.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.order_key)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence: out of the queues, its blocks freed."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = Status.FINISHED
+        seq.finish_reason = reason
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -120,7 +97,7 @@ class Scheduler:
     # -- policy ---------------------------------------------------------------------------------
 
     def _max_blocks(self, seq: Sequence) -> int:
-        max_len = min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.config.max_model_len)
+        max_len = min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)
         return self.kv.blocks_for(max_len)
 
     def _fits_guarantee(self, seq: Sequence) -> bool:
@@ -131,8 +108,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
 
@@ -179,6 +154,7 @@ class Scheduler:
                 continue
             if not self.kv.allocate(seq, n, cached):
                 break
+            seq.num_computed_tokens += len(cached) * self.kv.block_size
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -187,3 +163,34 @@ class Scheduler:
         for seq in skipped:
             bisect.insort(self.waiting, seq, key=Sequence.order_key)
         return SchedulerOutput(scheduled, preempted)
+
+    # -- after the step ---------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, tuple[int, float | None]]
+                           ) -> list[tuple[Sequence, int, float | None]]:
+        """The one place that changes state after a forward: each scheduled sequence's computed tokens
+        advance, its newly full blocks enter the prefix cache; `sampled` (batch index -> token, logprob)
+        tokens are appended, finish rules are applied and finished sequences are freed. Returns the
+        sequences that got a token, with it, in batch order."""
+        appended = []
+        for i, (seq, n) in enumerate(output.scheduled):
+            seq.num_computed_tokens += n
+            self.kv.cache_computed_blocks(seq)
+            if i not in sampled:
+                continue
+            token, logprob = sampled[i]
+            seq.output_token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            appended.append((seq, token, logprob))
+        return appended
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        n = len(seq.output_token_ids)
+        if n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            return FinishReason.STOP
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -9,10 +9,9 @@ it catches up, the sampler appends one more token. Preemption by recompute only 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
-from backend.sampling import SamplingParams, SamplingState
+from backend.engine.sampling import SamplingParams, SamplingState
 
 
 class Status(enum.Enum):
@@ -37,17 +36,11 @@ class Sequence:
     tenant: str | None = None
     sampling_state: SamplingState = field(default_factory=SamplingState)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float | None] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,17 +54,6 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
     def order_key(self) -> tuple[int, int]:
         """Scheduling order: priority class first, then arrival (FCFS within a class)."""
         return (self.priority, self.arrival_index)
-
-    def append_token(self, token_id: int, logprob: float | None, now: float) -> None:
-        self.output_token_ids.append(token_id)
-        self.output_logprobs.append(logprob)
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.last_token_time = now

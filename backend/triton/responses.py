@@ -2,7 +2,7 @@
 
 Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS ids before them
 (`context_ids`) and `is_final`, which is all the stateless postprocessing needs for exact text
-(backend/detokenize.py). Streaming sends every step's tokens; otherwise one response at the end,
+(backend/serving/detokenize.py). Streaming sends every step's tokens; otherwise one response at the end,
 holding the prompt too when `exclude_input_in_output` is false. Optional
 outputs are present only when their `return_*` input asked for them.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.detokenize import context_before
-from backend.engine import RequestOutput
-from backend.request_params import GenerationRequest
+from backend.serving.detokenize import context_before
+from backend.engine.engine import RequestOutput
+from backend.serving.request import GenerationRequest
 
 
 def _row(values, dtype) -> np.ndarray:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.sequence import Sequence
+from backend.engine.sequence import Sequence
 
 GRAPH_INPUTS = ("token_ids", "positions", "row_block_tables", "row_token_index", "kv_src", "kv_dst",
                 "token_slot", "last_token_index")

@@ -1,6 +1,6 @@
 """Run a real tritonserver on a model repository, from the pytriton wheel's files or the container's own.
 
-    python -m backend.launcher --model-repository model_repository [--http-port 8000 ...] [-- <server args>]
+    python -m backend.triton.launcher --model-repository model_repository [--http-port 8000 ...] [-- <server args>]
 """
 
 from __future__ import annotations

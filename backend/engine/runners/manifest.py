@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.batch import GRAPH_INPUTS
-from backend.kv_cache import cdiv
-from backend.models.llama import ModelConfig
+from backend.engine.batch import GRAPH_INPUTS
+from backend.engine.kv_cache import cdiv
+from backend.engine.models.llama import ModelConfig
 
 MANIFEST_FILE = "manifest.json"
 CACHE_INPUT = "kv_cache"
@@ -40,7 +40,7 @@ class EngineMismatchError(ValueError):
 
 def axis_maxima(max_num_tokens: int, max_num_seqs: int, q_tile: int, max_blocks_per_seq: int, num_blocks: int,
                 block_size: int) -> dict[str, int]:
-    """The largest value each dynamic axis takes under an engine config (see backend/batch.py).
+    """The largest value each dynamic axis takes under an engine config (see backend/engine/batch.py).
 
     Rows never outnumber tokens. Scatter pairs peak when one sequence's chunk fills the budget: row k
     of a chunk receives the chunk's new keys up to its last query, min((k + 1) * Q, chunk)."""

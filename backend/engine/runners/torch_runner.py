@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from backend.batch import ModelInput
-from backend.models.llama import KernelLayout, load_model
-from backend.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
+from backend.engine.batch import ModelInput
+from backend.engine.models.llama import KernelLayout, load_model
+from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
 
 log = logging.getLogger(__name__)
 ATTENTION = ("auto", "kernel", "gather")
@@ -27,7 +27,7 @@ def resolve_attention(attention: str, device: torch.device) -> str:
         return "gather"
     if device.type != "cpu":
         raise ValueError(f"attention: the paged-attention kernel runs on the CPU only, not on {device}")
-    from backend.kernels import paged_attention
+    from backend.engine.kernels import paged_attention
 
     try:
         paged_attention.load()

@@ -19,6 +19,7 @@ this one lost 12-17 % of its throughput to that, with 1.65 of 2 CPUs busy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -28,16 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backend.detokenize import IncrementalDetokenizer
-from backend.engine import EngineStats, LLMEngine, RequestOutput
-from backend.request_params import GenerationRequest
-from backend.sequence import FinishReason
+from backend.serving.detokenize import IncrementalDetokenizer
+from backend.engine.engine import EngineStats, LLMEngine, RequestOutput
+from backend.engine.errors import EngineDeadError
+from backend.serving.request import GenerationRequest
+from backend.engine.sequence import FinishReason
 
 LOG = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -49,7 +47,7 @@ class Submission:
     is_cancelled: Callable[[], bool] = lambda: False
     submitted_at: float = field(default_factory=time.monotonic)
     engine_id: str = ""
-    last_token_at: float | None = None
+    last_token_at: float | None = None  # for the inter-token latency metric
     detokenizer: IncrementalDetokenizer | None = None
 
 
@@ -184,8 +182,8 @@ class EngineLoop:
         if sub is None:
             return
         if sub.detokenizer is not None and not out.finished and self._hits_stop_string(sub, out):
-            self.engine.finish(sub.engine_id, FinishReason.STOP)
-            out.finished, out.finish_reason = True, FinishReason.STOP.value
+            final = self.engine.finish(sub.engine_id, FinishReason.STOP)
+            out = dataclasses.replace(out, finished=True, finish_reason=final.finish_reason)
         now = time.monotonic()
         if out.new_token_ids:
             if sub.last_token_at is None:

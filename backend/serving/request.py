@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.sampling import InvalidRequestError, SamplingParams
+from backend.engine.errors import InvalidRequestError
+from backend.engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -129,8 +130,10 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
     )
 
 
-def parse_text(text_input: np.ndarray, allow_empty: bool = False) -> str:
-    """The `text_input` string of a request: valid UTF-8, not empty (unless the request is a `stop`)."""
+def parse_text(text_input: np.ndarray | None, allow_empty: bool = False) -> str:
+    """The `text_input` string of a request: present, valid UTF-8, not empty (unless the request is a `stop`)."""
+    if text_input is None:
+        raise InvalidRequestError("text_input", "missing")
     flat = np.asarray(text_input).reshape(-1)
     if flat.size != 1:
         raise InvalidRequestError("text_input", f"expected one string, got shape {list(np.shape(text_input))}")

@@ -12,13 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class InvalidRequestError(ValueError):
-    """A request field is out of range; the message names the field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+from backend.engine.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

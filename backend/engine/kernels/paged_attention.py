@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".cpp")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 _lock = threading.Lock()
 
 

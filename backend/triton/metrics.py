@@ -6,8 +6,8 @@ The MetricFamily objects are kept for the model's lifetime: once a family is gar
 
 from __future__ import annotations
 
-from backend.engine import EngineStats
-from backend.engine_loop import LoopObserver
+from backend.engine.engine import EngineStats
+from backend.serving.engine_thread import LoopObserver
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]

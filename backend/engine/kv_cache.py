@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.sequence import Sequence
+from backend.engine.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -172,9 +172,9 @@ class KVCacheManager:
         return needed <= self.pool.num_free - reclaimed
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Make room for `num_new_tokens` more tokens after the computed (and cached) ones.
-
-        Returns False, changing nothing, when the pool is short.
+        """Give `seq` the blocks for `num_new_tokens` more tokens after its computed ones and the cached
+        prefix blocks (taken by reference). Returns False, changing nothing, when the pool is short; the
+        scheduler, not this manager, advances the sequence's computed tokens.
         """
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False
@@ -184,10 +184,9 @@ class KVCacheManager:
         if cached_blocks:
             self.pool.touch(list(cached_blocks))
             seq.block_ids.extend(cached_blocks)
-            seq.num_computed_tokens += len(cached_blocks) * self.block_size
-            seq.num_cached_tokens = len(cached_blocks) * self.block_size
             self._num_registered[seq.request_id] = len(seq.block_ids)
-        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
+        needed = self.blocks_for(seq.num_computed_tokens + len(cached_blocks) * self.block_size
+                                 + num_new_tokens) - len(seq.block_ids)
         if needed > 0:
             seq.block_ids.extend(self.pool.allocate(needed))
         return True

@@ -16,10 +16,10 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto
 
-from backend.batch import ModelInput
-from backend.models.llama import load_model_config
-from backend.runners.base import allocate_kv_cache, graph_outputs, torch_dtype, write_new_kv
-from backend.runners.manifest import CACHE_INPUT, OUTPUT_NAMES, EngineManifest
+from backend.engine.batch import ModelInput
+from backend.engine.models.llama import load_model_config
+from backend.engine.runners.base import allocate_kv_cache, graph_outputs, torch_dtype, write_new_kv
+from backend.engine.runners.manifest import CACHE_INPUT, OUTPUT_NAMES, EngineManifest
 
 ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
               torch.bfloat16: TensorProto.BFLOAT16, torch.int64: TensorProto.INT64}

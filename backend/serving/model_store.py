@@ -43,7 +43,7 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = ".prepared"
 STAGES = 4
 SANITY_PROMPT = "What is the capital of France?"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -214,14 +214,6 @@ def _move_into_place(tmp: Path, target: Path, source: GgufSource) -> None:
             raise
 
 
-def main() -> None:
-    print(prepare_default_model())
-
-
-if __name__ == "__main__":
-    main()
-
-
 def resolve_model_dir(value: str) -> Path:
     """A model setting as written in config.pbtxt or on a command line: "default" or a folder."""
     if value in ("", "default"):
@@ -230,3 +222,11 @@ def resolve_model_dir(value: str) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model_dir: {path} is not an HF model folder (no config.json)")
     return path
+
+
+def main() -> None:
+    print(prepare_default_model())
+
+
+if __name__ == "__main__":
+    main()

@@ -10,10 +10,10 @@ Attention reads the paged cache through block tables, in one of two ways:
   the compiled graph never copies the cache. Inside the graph, each attention row gets the new keys
   of its own sequence scattered into its small gathered copy, so a prefill chunk sees itself.
 - KernelLayout (eager PyTorch on the CPU): the new K/V go into the cache first, then a C++ kernel
-  (backend/kernels/) reads each sequence's blocks in place. Same math; the gather path pays for
+  (backend/engine/kernels/) reads each sequence's blocks in place. Same math; the gather path pays for
   the longest sequence of the batch in every row, the kernel only for each row's own context.
 
-Layout of a row (see backend/batch.py): up to Q query tokens of one sequence, and that sequence's
+Layout of a row (see backend/engine/batch.py): up to Q query tokens of one sequence, and that sequence's
 keys at positions 0..C-1, C = blocks per row * block_size. A query at position p sees keys c <= p.
 """
 
@@ -158,7 +158,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class RowLayout:
-    """Index tensors that place the flat tokens into attention rows (built by backend/batch.py)."""
+    """Index tensors that place the flat tokens into attention rows (built by backend/engine/batch.py)."""
 
     block_tables: torch.Tensor  # [R, B] int64
     token_index: torch.Tensor  # [R, Q] flat token of each query slot (padding repeats a real token)
@@ -181,7 +181,7 @@ class KernelLayout:
     slot_mapping: torch.Tensor  # [T]
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
-        from backend.kernels.paged_attention import paged_attention
+        from backend.engine.kernels.paged_attention import paged_attention
 
         KVH, D = cfg.num_kv_heads, cfg.head_dim
         cache_k.view(-1, KVH, D).index_copy_(0, self.slot_mapping, k)

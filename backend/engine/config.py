@@ -1,0 +1,98 @@
+"""The engine's one settings object: EngineConfig, composed of the scheduler's and the KV cache's configs.
+
+Each setting has one default, here. The scheduler and the cache manager read their part by reference.
+Front doors build it from their own settings (config.pbtxt `parameters`: backend/triton/config.py) with
+`EngineConfig.create`, which routes each flat key to the part that owns it; paths come in resolved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+AdmissionPolicy = Literal["max_utilization", "guaranteed_no_evict"]
+ADMISSION_POLICIES = ("max_utilization", "guaranteed_no_evict")
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    max_running: int | None = None
+    max_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's, capped by the KV pool
+    admission_policy: AdmissionPolicy = "max_utilization"
+    max_waiting: int = 256  # beyond the free running slots; more are refused "overloaded"
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)  # "*" applies to every named tenant
+
+    def __post_init__(self) -> None:
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy: unknown policy {self.admission_policy!r} "
+                             f"(expected one of {list(ADMISSION_POLICIES)})")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # else from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+
+    def num_blocks(self, bytes_per_block: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return max(1, int(self.kv_cache_memory_gb * 2**30) // bytes_per_block)
+
+
+@dataclass
+class EngineConfig:
+    model: str  # HF safetensors folder, resolved
+    dtype: str = "float32"
+    runtime: str = "torch"  # torch | onnxruntime | tensorrt
+    device: str = "cpu"
+    attention: str = "auto"  # torch runtime: kernel (CPU C++) | gather (the exported graph) | auto
+    engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
+    q_tile: int = 16  # attention row width for prefill chunks (see backend/engine/batch.py)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    @classmethod
+    def create(cls, **settings: Any) -> EngineConfig:
+        """From flat settings (`max_num_seqs=8`, `block_size=32`, ...), each routed to the part that owns it;
+        an unknown key is an error naming it."""
+        parts: dict[str, dict[str, Any]] = {"": {}, "scheduler": {}, "cache": {}}
+        owners = setting_owners()
+        for key, value in settings.items():
+            if key not in owners:
+                raise ValueError(f"{key}: not an engine setting (known: {sorted(owners)})")
+            parts[owners[key]][key] = value
+        return cls(**parts[""], scheduler=SchedulerConfig(**parts["scheduler"]), cache=CacheConfig(**parts["cache"]))
+
+
+def setting_owners() -> dict[str, str]:
+    """Every flat setting name -> the EngineConfig part that owns it ("" for EngineConfig itself)."""
+    owners = {f.name: "" for f in dataclasses.fields(EngineConfig) if f.name not in ("scheduler", "cache")}
+    owners.update({f.name: "scheduler" for f in dataclasses.fields(SchedulerConfig)})
+    owners.update({f.name: "cache" for f in dataclasses.fields(CacheConfig)})
+    return owners
+
+
+def setting_fields() -> dict[str, dataclasses.Field]:
+    """Every flat setting name -> its dataclass field (for typed parsing of string settings)."""
+    fields = {}
+    for cls in (EngineConfig, SchedulerConfig, CacheConfig):
+        fields.update({f.name: f for f in dataclasses.fields(cls) if f.name not in ("scheduler", "cache")})
+    return fields

@@ -1,0 +1,192 @@
+"""LLMEngine: the one loop. schedule -> one forward over a flat batch -> sample -> scheduler.update.
+
+Single-threaded by design: callers that serve requests from several threads (backend/serving/
+engine_thread.py) hand requests to the thread that calls `step()`. Every state change after a step
+(computed tokens, newly full blocks into the prefix cache, finish rules, freeing) is the scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as PromptIds
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.engine.batch import build_model_input
+from backend.engine.config import EngineConfig
+from backend.engine.errors import InvalidRequestError, UnknownRequestError
+from backend.engine.kv_cache import KVCacheManager, bytes_per_block
+from backend.engine.models.llama import ModelConfig, load_model_config
+from backend.engine.runners.base import Runner, torch_dtype
+from backend.engine.runners.factory import create_runner
+from backend.engine.sampling import SamplerRow, SamplingParams, SamplingState, sample
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
+        return cls(request_id=seq.request_id, new_token_ids=tokens, new_logprobs=logprobs,
+                   finished=seq.finish_reason is not None,
+                   finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                   num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids))
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    last_step_tokens: int
+
+
+def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Blocks in the KV pool: `num_kv_blocks`, or as many as `kv_cache_memory_gb` holds."""
+    return config.cache.num_blocks(bytes_per_block(model_cfg.num_layers, config.cache.block_size,
+                                                   model_cfg.num_kv_heads, model_cfg.head_dim,
+                                                   torch_dtype(config.dtype).itemsize))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None):
+        self.config = config
+        model_cfg = load_model_config(config.model)
+        cache = config.cache
+        num_blocks = kv_pool_blocks(config, model_cfg)
+        self.runner = runner or create_runner(config, num_blocks)
+        self.model_config = model_cfg
+        self.max_model_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings, num_blocks * cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, model_cfg.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # finals of aborted requests, sent by the next step
+        self._arrivals = 0
+        self._last_step_tokens = 0
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: PromptIds[int],
+                    sampling_params: SamplingParams | None = None, priority: int = 0,
+                    tenant: str | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (naming the field) or QueueFullError."""
+        params = sampling_params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError("prompt_token_ids", f"the prompt has {len(prompt)} tokens; the context "
+                                      f"length is {self.max_model_len} (room for one output token is needed)")
+        params.validate(vocab)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError("max_tokens", f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                                      f"exceeds the context length {self.max_model_len}")
+        quota = self.scheduler.quota(tenant)
+        if quota and quota.max_blocks is not None and \
+                self.kv.blocks_for(len(prompt) + params.max_tokens) > quota.max_blocks:
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens exceed tenant {tenant!r}'s KV quota")
+        seq = Sequence(request_id, prompt, params, arrival_index=self._arrivals, priority=priority, tenant=tenant,
+                       sampling_state=SamplingState.create(params))
+        self.scheduler.add(seq)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its blocks are freed now, its final output comes with the next step()."""
+        self._pending.append(self.finish(request_id, FinishReason.CANCELLED))
+
+    def finish(self, request_id: str, reason: FinishReason) -> RequestOutput:
+        """End a request now, freeing its blocks; returns its final output (with no new tokens), which the
+        caller reports."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            raise UnknownRequestError(request_id)
+        self.scheduler.finish(seq, reason)
+        return RequestOutput.of(seq, [], [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_work():
+            return outputs
+        sched = self.scheduler.schedule()
+        self._last_step_tokens = sched.num_tokens
+        if not sched.scheduled:
+            return outputs
+        logits = self.runner.forward(build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile))
+        sampled = [i for i, (seq, n) in enumerate(sched.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
+        rows = [self._sampler_row(sched.scheduled[i][0]) for i in sampled]
+        tokens, logprobs = sample(logits[np.asarray(sampled, dtype=np.int64)], rows) if rows else ([], [])
+        for seq, token, logprob in self.scheduler.update_from_output(sched, dict(zip(sampled, zip(tokens, logprobs)))):
+            if seq.finish_reason is not None:
+                del self.requests[seq.request_id]
+            outputs.append(RequestOutput.of(seq, [token], [logprob]))
+        return outputs
+
+    def _sampler_row(self, seq: Sequence) -> SamplerRow:
+        """The sampler's view of a sequence that yields a token this step, with the ids it may not pick:
+        eos/stop ids before min_tokens, and the last token of a bad word whose prefix was just generated."""
+        p = seq.params
+        banned = []
+        if len(seq.output_token_ids) < p.min_tokens:
+            banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.model_config.eos_token_ids))
+        tokens = seq.token_ids
+        for word in p.bad_words_ids:
+            prefix = list(word[:-1])
+            if not prefix or tokens[len(tokens) - len(prefix):] == prefix:
+                banned.append(word[-1])
+        return SamplerRow(p, seq.sampling_state, seq.prompt_token_ids, seq.output_token_ids, banned)
+
+    # -- conveniences -----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Offline batch generation: all prompts in flight at once; returns output ids in order."""
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{self._arrivals + i}" for i in range(len(prompts))]
+        for rid, prompt, params in zip(ids, prompts, sampling_params):
+            self.add_request(rid, prompt, params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.requests for rid in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+            kv_blocks_cached=self.kv.num_cached_blocks,
+            prefix_cache_hit_rate=self.kv.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            last_step_tokens=self._last_step_tokens,
+        )

@@ -1,0 +1,32 @@
+"""Build the runner an EngineConfig names. Compiled graphs come in built: exporting or building them is
+`python -m build_engine`'s job, never the engine's."""
+
+from __future__ import annotations
+
+from backend.engine.config import EngineConfig
+from backend.engine.runners.base import Runner
+
+
+def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
+    block_size = config.cache.block_size
+    if config.runtime == "torch":
+        from backend.engine.runners.torch_runner import TorchRunner
+
+        return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention)
+    if config.attention == "kernel":
+        raise ValueError(f"attention: the kernel is for runtime torch; {config.runtime} runs the gather graph")
+    if config.runtime not in ("onnxruntime", "tensorrt"):
+        raise ValueError(f"runtime: unknown runtime {config.runtime!r} (expected torch, onnxruntime or tensorrt)")
+    if config.engine_dir is None:
+        raise ValueError(f"engine_dir: runtime {config.runtime} needs a built engine folder "
+                         f"(python -m build_engine --runtime {config.runtime} --output DIR)")
+    if config.runtime == "onnxruntime":
+        from backend.engine.runners.onnx_runner import OnnxRunner
+
+        return OnnxRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size, config.device)
+    from backend.engine.runners.tensorrt_runner import TensorRTRunner
+
+    sched = config.scheduler
+    return TensorRTRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size,
+                          max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+                          q_tile=config.q_tile, max_model_len=sched.max_model_len, device=config.device)

@@ -1,0 +1,47 @@
+"""What the model.py files share: their parameters, the tokenizer, reading inputs, error responses.
+
+The model.py files import pb_utils (it exists only inside the Triton stub) and pass it in."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from backend.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from backend.serving.tokenizer import load_tokenizer
+from backend.serving.model_store import resolve_model_dir
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The config.pbtxt `parameters` of a model, as strings."""
+    params = json.loads(args["model_config"]).get("parameters", {})
+    return {key: value["string_value"] for key, value in params.items()}
+
+
+def model_tokenizer(args: dict):
+    """The tokenizer of the model named by the `model` parameter ("default" or a folder)."""
+    return load_tokenizer(resolve_model_dir(model_parameters(args)["model"]))
+
+
+def read_inputs(pb_utils, request, names: list[str]) -> dict[str, np.ndarray]:
+    """The request's inputs among `names` that are present, as numpy arrays."""
+    inputs = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def error_response(pb_utils, err: Exception):
+    """One final error response: INVALID_ARG for a bad field, UNAVAILABLE when overloaded or the engine is down,
+    INTERNAL for anything else (logged)."""
+    if isinstance(err, InvalidRequestError):
+        code = pb_utils.TritonError.INVALID_ARG
+    elif isinstance(err, (QueueFullError, EngineDeadError)):
+        code = pb_utils.TritonError.UNAVAILABLE
+    else:
+        code = pb_utils.TritonError.INTERNAL
+        pb_utils.Logger.log_error(f"request failed: {err!r}")
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code))
