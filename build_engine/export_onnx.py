@@ -96,7 +96,8 @@ def export_engine_dir(model_dir: str | Path, engine_dir: str | Path, dtype: str,
     tmp = Path(tempfile.mkdtemp(prefix=f".{engine_dir.name}.", dir=engine_dir.parent))
     try:
         batches, num_blocks = sample_batches(load_model_config(model_dir).vocab_size)
-        runner = TorchRunner(model_dir, dtype, num_blocks, EXAMPLE_BLOCK_SIZE, attention="gather")
+        runner = TorchRunner(model_dir, dtype, num_blocks, EXAMPLE_BLOCK_SIZE, attention="gather",
+                             gemm_backend="aten")  # the graph runs F.linear
         runner.forward(batches[0])  # a real prefill fills the cache that the mixed step reads
         with stage(f"exporting {Path(model_dir).name} ({dtype}) to ONNX opset {opset}"):
             export(runner, batches[1], tmp / ONNX_FILE, opset)

@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 _lock = threading.Lock()
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     """-march=native code runs only where it was built: key the build folder by the CPU's flags."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -39,7 +39,7 @@ def load() -> None:
         if hasattr(torch.ops.llm_kernels, "paged_attention"):
             return
         root = Path(os.environ.get("LLM_KERNEL_CACHE") or REPO_ROOT / ".cache" / "kernels")
-        build_dir = root / _cpu_tag()
+        build_dir = root / cpu_tag()
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("paged_attention: loading %s from %s (compiled there on first use, ~15 s)", SOURCE.name, build_dir)
         build(name="llm_kernels", sources=[str(SOURCE)], build_directory=str(build_dir),

@@ -20,6 +20,7 @@ keys at positions 0..C-1, C = blocks per row * block_size. A query at position p
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,20 +94,14 @@ def rope_tables(model_dir: str | Path, max_positions: int) -> tuple[torch.Tensor
     return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """AVX512-BF16 or AMX: without them a bfloat16 GEMM is emulated, ~7x slower than float32 here."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be wider than its input: a bfloat16 model on a CPU without bf16
-    matmul keeps float32 copies of its weights (the same values) and rounds each output to bfloat16.
-    That is what a bf16 GEMM computes (float32 products and sums, a bf16 result), at float32 speed."""
+    """nn.Linear whose GEMM the PyTorch runner may replace by a tactic measured on this CPU (runners/gemm.py);
+    without one it is `F.linear`, which is what the exported graph runs."""
+
+    gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
-            return super().forward(x)
-        return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        return super().forward(x) if self.gemm is None else self.gemm(x)
 
 
 class RMSNorm(nn.Module):
@@ -261,10 +256,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _is_linear(name: str) -> bool:
-    return name.endswith(("_proj.weight", "_proj.bias", "lm_head.weight"))
-
-
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> PagedLlama:
     """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load)."""
     model_dir = Path(model_dir)
@@ -292,8 +283,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         fused[p + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     with torch.device("meta"):
         model = PagedLlama(cfg, cos, sin)
-    wide = dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not cpu_has_bf16_matmul()
-    model.load_state_dict({k: v.to(torch.float32 if wide and _is_linear(k) else dtype) for k, v in fused.items()},
-                          strict=True, assign=True)
+    model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=True, assign=True)
     model.rope_cos, model.rope_sin = cos, sin
     return model.to(device).eval().requires_grad_(False)

@@ -12,7 +12,8 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     if config.runtime == "torch":
         from backend.engine.runners.torch_runner import TorchRunner
 
-        return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention)
+        return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
+                           config.gemm_backend)
     if config.attention == "kernel":
         raise ValueError(f"attention: the kernel is for runtime torch; {config.runtime} runs the gather graph")
     if config.runtime not in ("onnxruntime", "tensorrt"):

@@ -2,7 +2,8 @@
 
 `attention` picks how the model reads the paged cache (see models/llama.py): "kernel", the CPU
 C++ kernel; "gather", the graph that ONNX Runtime and TensorRT run; "auto", the kernel on the CPU
-when it builds here, else the gather (with a warning that says why).
+when it builds here, else the gather (with a warning that says why). `gemm_backend` picks each Linear's
+GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic name forces it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from backend.engine.batch import ModelInput
 from backend.engine.models.llama import KernelLayout, load_model
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
+from backend.engine.runners.gemm import use_tactics
 
 log = logging.getLogger(__name__)
 ATTENTION = ("auto", "kernel", "gather")
@@ -41,10 +43,11 @@ def resolve_attention(attention: str, device: torch.device) -> str:
 
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 attention: str = "auto"):
+                 attention: str = "auto", gemm_backend: str = "auto"):
         self.device = torch.device(device)
         self.attention = resolve_attention(attention, self.device)
         self.model = load_model(model_dir, torch_dtype(dtype), self.device)
+        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend)
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device)

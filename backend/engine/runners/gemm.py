@@ -1,0 +1,173 @@
+"""GEMM tactics for the Linear layers, chosen per weight shape by measurement (TensorRT's tactic selection,
+on the CPU).
+
+No single GEMM is fastest on every CPU: torch's float32 `F.linear` goes to MKL, which runs AVX2 code on AMD
+CPUs even where AVX-512 exists; oneDNN with a prepacked weight is faster there at decode sizes; on a CPU
+with avx512_bf16 but no AMX, a native bfloat16 GEMM can be slower than a float32 one on the same weights.
+So at load, each candidate is timed on each of the model's Linear shapes at a few token counts, and the
+fastest per shape is kept. Choices are cached per CPU (model name and flags), torch version, thread count,
+dtype and shape in `.cache/gemm/` (`$LLM_KERNEL_CACHE/../gemm` when set), so the second start costs nothing.
+
+Tactics (each returns the model dtype; the `_f32` ones compute a float32 product and sum, then round to the
+model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
+- `aten`: `F.linear` on the weight in the model dtype (MKL for float32 on x86; oneDNN for bfloat16).
+- `onednn`: oneDNN with the weight prepacked once (`torch.ops.mkldnn._reorder_linear_weight`).
+- `aten_f32`, `onednn_f32`: the same on a float32 copy of a bfloat16/float16 weight (2x its memory).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from backend.engine.kernels.paged_attention import REPO_ROOT, cpu_tag
+
+log = logging.getLogger(__name__)
+Gemm = Callable[[torch.Tensor], torch.Tensor]
+BACKENDS = ("auto", "aten", "onednn", "aten_f32", "onednn_f32")
+LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
+HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
+_lock = threading.Lock()
+
+
+def _aten(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _in_f32(make: Callable[[torch.Tensor, torch.Tensor | None], Gemm]) -> Callable[..., Gemm]:
+    def prepare(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+        gemm = make(weight.float(), None if bias is None else bias.float())
+        return lambda x: gemm(x.float()).to(x.dtype)
+    return prepare
+
+
+@dataclass(frozen=True)
+class Tactic:
+    name: str
+    prepare: Callable[[torch.Tensor, torch.Tensor | None], Gemm]
+    narrow_only: bool = False  # only for bfloat16 / float16 models
+
+
+TACTICS = {t.name: t for t in (Tactic("aten", _aten), Tactic("onednn", _onednn),
+                               Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
+                               Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True))}
+
+
+def candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
+    if device.type != "cpu":
+        return ["aten"]
+    names = [t.name for t in TACTICS.values() if dtype != torch.float32 or not t.narrow_only]
+    return names if torch.backends.mkldnn.is_available() else [n for n in names if "onednn" not in n]
+
+
+@dataclass(frozen=True)
+class Shape:
+    out_features: int
+    in_features: int
+    tokens: tuple[int, ...]  # token counts to time at
+
+    @property
+    def key(self) -> str:
+        return f"{self.out_features}x{self.in_features}"
+
+
+def _seconds_per_token(gemm: Gemm, shape: Shape, dtype: torch.dtype) -> float:
+    """Median time per token over the shape's token counts, summed: each regime (decode, prefill) weighs
+    the same."""
+    total = 0.0
+    for m in shape.tokens:
+        x = torch.randn(m, shape.in_features).to(dtype)
+        reps = max(3, min(50, int(2e8 / (2 * m * shape.out_features * shape.in_features))))
+        gemm(x)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            gemm(x)
+            times.append(time.perf_counter() - start)
+        total += statistics.median(times) / m
+    return total
+
+
+def measure(shape: Shape, dtype: torch.dtype, names: list[str]) -> dict[str, float]:
+    """Seconds per token (summed over the shape's token counts) of each tactic that runs here."""
+    weight = torch.randn(shape.out_features, shape.in_features).to(dtype)
+    results = {}
+    for name in names:
+        try:
+            results[name] = _seconds_per_token(TACTICS[name].prepare(weight, None), shape, dtype)
+        except RuntimeError as err:  # e.g. a oneDNN build without this dtype
+            log.info("gemm: %s does not run %s here (%s)", name, dtype, err)
+    return results
+
+
+def cache_file() -> Path:
+    kernels = os.environ.get("LLM_KERNEL_CACHE")
+    root = Path(kernels).parent / "gemm" if kernels else REPO_ROOT / ".cache" / "gemm"
+    return root / f"{cpu_tag()}-torch{torch.__version__}.json"
+
+
+def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backend: str = "auto") -> dict[Shape, str]:
+    """The tactic for each shape: `backend` itself when forced, else the fastest measured here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"gemm_backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    names = candidates(dtype, device)
+    if backend != "auto":
+        if backend not in names:
+            raise ValueError(f"gemm_backend: {backend} does not run {dtype} on {device} here (candidates: {names})")
+        return {s: backend for s in shapes}
+    if len(names) == 1:
+        return {s: names[0] for s in shapes}
+    path = cache_file()
+    with _lock:
+        table = json.loads(path.read_text()) if path.is_file() else {}
+        prefix = f"{str(dtype).removeprefix('torch.')}/threads{torch.get_num_threads()}"
+        missing = [s for s in shapes if f"{prefix}/{s.key}/{s.tokens}" not in table]
+        if missing:
+            log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
+        for shape in missing:
+            timings = measure(shape, dtype, names)
+            table[f"{prefix}/{shape.key}/{shape.tokens}"] = {
+                "choice": min(timings, key=timings.get), "us_per_token": {k: v * 1e6 for k, v in timings.items()}}
+        if missing:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            tmp.replace(path)
+    chosen = {s: table[f"{prefix}/{s.key}/{s.tokens}"] for s in shapes}
+    log.info("gemm tactics (%s, %d threads, us/token summed over token counts):\n%s", prefix.split("/")[0],
+             torch.get_num_threads(), "\n".join(
+                 f"  {k.key:>12}: {v['choice']:<10} " + " ".join(f"{n}={t:.2f}" for n, t in v["us_per_token"].items())
+                 for k, v in chosen.items()))
+    return {k: v["choice"] for k, v in chosen.items()}
+
+
+def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto") -> dict[Shape, str]:
+    """Give every nn.Linear of `model` its tactic as `linear.gemm`; a tactic that keeps its own copy of the
+    weight (packed or float32) releases the module's."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    shapes = {name: Shape(m.out_features, m.in_features, HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS)
+              for name, m in linears.items()}
+    dtype = next(iter(linears.values())).weight.dtype
+    chosen = choose(sorted(set(shapes.values()), key=lambda s: (s.key, s.tokens)), dtype, device, backend)
+    for name, linear in linears.items():
+        tactic = chosen[shapes[name]]
+        linear.gemm = TACTICS[tactic].prepare(linear.weight, linear.bias)
+        if tactic != "aten":
+            linear.weight = linear.bias = None
+    return chosen

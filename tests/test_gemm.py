@@ -1,0 +1,81 @@
+"""GEMM tactics (backend/engine/runners/gemm.py): each one, forced, against HF within a stated tolerance, so a
+tactic this machine never picks is still tested; the measured choice is cached and reused.
+
+Tolerances on the last-token logits of every prompt (max |difference| per prompt):
+- float32 tactics vs HF float32: 1e-3 (a tactic only reorders float32 sums; logits here have std ~4).
+- bfloat16 tactics vs HF float32: at most 2x HF's own bfloat16 difference from HF float32, plus 0.05.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from backend.engine.batch import build_model_input
+from backend.engine.kv_cache import KVCacheManager
+from backend.engine.runners import gemm
+from backend.engine.runners.torch_runner import TorchRunner
+from backend.engine.sampling import SamplingParams
+from backend.engine.sequence import Sequence
+
+PROMPTS = [[5, 17, 300, 42], [7] * 37, list(range(100, 160)), [1000 + 3 * i for i in range(129)]]
+BLOCK_SIZE = 16
+
+
+def engine_logits(runner: TorchRunner) -> torch.Tensor:
+    """The runner's last-token logits of PROMPTS, prefilled together in one flat batch."""
+    kv = KVCacheManager(runner.num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+    seqs = [Sequence(str(i), p, SamplingParams(), arrival_index=i) for i, p in enumerate(PROMPTS)]
+    for seq in seqs:
+        assert kv.allocate(seq, seq.num_tokens)
+    return runner.forward(build_model_input([(s, s.num_tokens) for s in seqs], BLOCK_SIZE, q_tile=16))
+
+
+def hf_logits(model_dir, dtype: torch.dtype) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
+    with torch.inference_mode():
+        return torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir) -> dict[torch.dtype, torch.Tensor]:
+    return {dtype: hf_logits(tiny_model_dir, dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tactic", [n for n in gemm.BACKENDS if n != "auto"])
+def test_each_tactic_forced_matches_hf_within_tolerance(tiny_model_dir, hf_reference, tactic, dtype):
+    torch_dtype = getattr(torch, dtype)
+    if tactic not in gemm.candidates(torch_dtype, torch.device("cpu")):
+        with pytest.raises(ValueError, match=f"gemm_backend: {tactic} does not run"):
+            TorchRunner(tiny_model_dir, dtype, 64, BLOCK_SIZE, gemm_backend=tactic)
+        return
+    runner = TorchRunner(tiny_model_dir, dtype, 64, BLOCK_SIZE, gemm_backend=tactic)
+    assert set(runner.gemm_tactics.values()) == {tactic}
+    diff = (engine_logits(runner) - hf_reference[torch.float32]).abs().amax(dim=-1)
+    if dtype == "float32":
+        assert diff.max() < 1e-3, diff
+    else:
+        hf_own = (hf_reference[torch.bfloat16] - hf_reference[torch.float32]).abs().amax(dim=-1)
+        assert (diff <= 2 * hf_own + 0.05).all(), (diff, hf_own)
+
+
+def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    runner = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
+    cache = gemm.cache_file()
+    assert cache.parent == tmp_path / "gemm" and cache.is_file()
+    table = json.loads(cache.read_text())
+    assert {v["choice"] for v in table.values()} <= set(gemm.candidates(torch.float32, torch.device("cpu")))
+    assert len(table) == len(set(runner.gemm_tactics)) and all(len(v["us_per_token"]) >= 2 for v in table.values())
+    written = cache.stat().st_mtime_ns
+    again = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
+    assert again.gemm_tactics == runner.gemm_tactics and cache.stat().st_mtime_ns == written
+
+
+def test_unknown_backend_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="gemm_backend: expected one of"):
+        TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="mkl")
