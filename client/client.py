@@ -15,19 +15,12 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-# Triton datatype of each optional input (see model_repository/ensemble/config.pbtxt).
-INPUT_TYPES = {
-    "max_tokens": "INT32", "stream": "BOOL", "stop": "BOOL", "end_id": "INT32", "pad_id": "INT32",
-    "stop_words": "BYTES", "bad_words": "BYTES", "top_k": "INT32", "top_p": "FP32", "temperature": "FP32",
-    "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
-    "min_tokens": "INT32", "min_length": "INT32", "seed": "UINT64", "ignore_eos": "BOOL",
-    "return_log_probs": "BOOL", "exclude_input_in_output": "BOOL", "return_num_input_tokens": "BOOL",
-    "return_num_output_tokens": "BOOL", "return_finish_reason": "BOOL", "priority": "INT32",
-    "tenant": "BYTES", "apply_chat_template": "BOOL",
-}
+from backend.serving.protocol import ENSEMBLE, inputs_of, outputs_of
+
+# The ensemble's inputs and outputs; llm_bls has the same (backend/serving/protocol.py).
+INPUT_TYPES = {t.name: t.client_dtype for t in inputs_of(ENSEMBLE)}
 NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}
-OUTPUTS = ("text_output", "output_log_probs", "cum_log_probs", "num_input_tokens", "num_output_tokens",
-           "finish_reason")
+OUTPUTS = tuple(t.name for t in outputs_of(ENSEMBLE))
 
 
 def _tensor(name: str, datatype: str, value) -> grpcclient.InferInput:
@@ -42,11 +35,11 @@ def _tensor(name: str, datatype: str, value) -> grpcclient.InferInput:
 
 def build_inputs(prompt: str | bytes, **options) -> list[grpcclient.InferInput]:
     """[1, 1]-shaped tensors (lists for stop_words/bad_words); options left None are not sent."""
-    inputs = [_tensor("text_input", "BYTES", prompt)]
+    inputs = [_tensor("text_input", INPUT_TYPES["text_input"], prompt)]
     for name, value in options.items():
         if value is None:
             continue
-        if name not in INPUT_TYPES:
+        if name not in INPUT_TYPES or name == "text_input":
             raise ValueError(f"unknown input {name!r}")
         inputs.append(_tensor(name, INPUT_TYPES[name], value))
     return inputs

@@ -1,4 +1,4 @@
-"""Request inputs under tensorrtllm_backend's names -> a validated generation request.
+"""Request inputs (the llm's, as listed in backend/serving/protocol.py) -> a validated generation request.
 
 Inputs arrive as numpy arrays (Triton gives `[1, ...]` with the batch dimension; any leading 1s are
 ignored). Every error is an InvalidRequestError that names the field. Conventions:
@@ -15,14 +15,16 @@ ignored). Every error is an InvalidRequestError that names the field. Convention
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from backend.engine.errors import InvalidRequestError
 from backend.engine.sampling import SamplingParams
+from backend.serving.protocol import LLM, TensorSpec, inputs_of
 
-DEFAULT_MAX_TOKENS = 16
+LLM_INPUTS = inputs_of(LLM)
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 @dataclass
@@ -41,11 +43,14 @@ class GenerationRequest:
     return_finish_reason: bool = False
 
 
-def _scalar(inputs: Mapping[str, np.ndarray | None], name: str, kind: type, default):
-    arr = inputs.get(name)
-    if arr is None:
-        return default
+def _read(tensor: TensorSpec, arr: np.ndarray):
+    """One input's value, typed by its row of the table: a list for dims [-1] (empty strings dropped)."""
+    name, kind = tensor.name, tensor.python_type
     flat = np.asarray(arr).reshape(-1)
+    if tensor.is_list:
+        if kind is str:
+            return [s for s in (_text(name, v) for v in flat) if s]
+        return [kind(v) for v in flat]
     if flat.size != 1:
         raise InvalidRequestError(name, f"expected one value, got shape {list(np.shape(arr))}")
     value = flat[0]
@@ -67,67 +72,43 @@ def _text(name: str, value) -> str:
     return str(value)
 
 
-def _strings(inputs: Mapping[str, np.ndarray | None], name: str) -> list[str]:
-    arr = inputs.get(name)
-    if arr is None:
-        return []
-    return [s for s in (_text(name, v) for v in np.asarray(arr).reshape(-1)) if s]
-
-
 def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_ids: tuple[int, ...]) -> GenerationRequest:
-    """Build a GenerationRequest from the llm model's inputs (`input_ids` plus optional fields)."""
-    ids = inputs.get("input_ids")
-    if ids is None:
+    """Build a GenerationRequest from the llm model's inputs (`input_ids` plus optional fields).
+
+    Walks the llm's inputs in backend/serving/protocol.py. An input left out is left out of the
+    SamplingParams / GenerationRequest too, so their defaults apply. Inputs named like a SamplingParams or
+    GenerationRequest field set it; the others are turned into fields here."""
+    if inputs.get("input_ids") is None:
         raise InvalidRequestError("input_ids", "missing")
-    prompt = [int(t) for t in np.asarray(ids).reshape(-1)]
-    if not prompt and not _scalar(inputs, "stop", bool, False):
+    given = {t.name: _read(t, inputs[t.name]) for t in LLM_INPUTS if inputs.get(t.name) is not None}
+    prompt = given.pop("input_ids")
+    if not prompt and not given.get("stop"):
         raise InvalidRequestError("input_ids", "the prompt is empty")
 
-    stop_ids: list[int] = []
-    end_id = _scalar(inputs, "end_id", int, None)
-    ignore_eos = _scalar(inputs, "ignore_eos", bool, False)
-    if end_id is not None:
-        stop_ids.append(end_id)
-    elif not ignore_eos:
-        stop_ids.extend(eos_token_ids)
+    end_id, ignore_eos = given.pop("end_id", None), given.pop("ignore_eos", False)
+    stop_ids = [end_id] if end_id is not None else [] if ignore_eos else list(eos_token_ids)
     bad_words = []
-    for word in _strings(inputs, "bad_words"):
+    for word in given.pop("bad_words", []):
         for variant in {word, " " + word.lstrip(" ")}:
             bad_words.append(tuple(tokenizer.encode(variant, add_special_tokens=False)))
-    min_tokens = _scalar(inputs, "min_tokens", int, None)
-    if min_tokens is None:
-        min_tokens = _scalar(inputs, "min_length", int, 0)
+    given.pop("pad_id", None)  # accepted, unused
+    if "min_length" in given:
+        given.setdefault("min_tokens", given.pop("min_length"))
+    if "stop_words" in given:
+        given["stop_strings"] = given.pop("stop_words")
+    if "tenant" in given:
+        given["tenant"] = given["tenant"] or None
+    sampling = {name: given.pop(name) for name in SAMPLING_FIELDS if name in given}
+    if "return_log_probs" in given:
+        sampling["logprobs"] = given["return_log_probs"]
 
     params = SamplingParams(
-        max_tokens=_scalar(inputs, "max_tokens", int, DEFAULT_MAX_TOKENS),
-        min_tokens=min_tokens,
-        temperature=_scalar(inputs, "temperature", float, 0.0),
-        top_k=_scalar(inputs, "top_k", int, 0),
-        top_p=_scalar(inputs, "top_p", float, 1.0),
-        seed=_scalar(inputs, "seed", int, None),
-        repetition_penalty=_scalar(inputs, "repetition_penalty", float, 1.0),
-        presence_penalty=_scalar(inputs, "presence_penalty", float, 0.0),
-        frequency_penalty=_scalar(inputs, "frequency_penalty", float, 0.0),
+        **sampling,
         stop_token_ids=tuple(stop_ids),
         bad_words_ids=tuple(w for w in bad_words if w),
         ignore_eos=True,  # EOS is handled through stop_token_ids above, so end_id can replace it
-        logprobs=_scalar(inputs, "return_log_probs", bool, False),
     )
-    tenant = _scalar(inputs, "tenant", str, "") or None
-    return GenerationRequest(
-        prompt_token_ids=prompt,
-        params=params,
-        stream=_scalar(inputs, "stream", bool, False),
-        stop=_scalar(inputs, "stop", bool, False),
-        priority=_scalar(inputs, "priority", int, 0),
-        tenant=tenant,
-        stop_strings=_strings(inputs, "stop_words"),
-        exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, True),
-        return_log_probs=params.logprobs,
-        return_num_input_tokens=_scalar(inputs, "return_num_input_tokens", bool, False),
-        return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),
-        return_finish_reason=_scalar(inputs, "return_finish_reason", bool, False),
-    )
+    return GenerationRequest(prompt_token_ids=prompt, params=params, **given)
 
 
 def parse_text(text_input: np.ndarray | None, allow_empty: bool = False) -> str:

@@ -11,7 +11,8 @@ import triton_python_backend_utils as pb_utils
 from transformers import AutoModelForCausalLM
 
 from backend.serving.detokenize import IncrementalDetokenizer
-from backend.serving.request import DEFAULT_MAX_TOKENS, parse_text
+from backend.engine.sampling import SamplingParams
+from backend.serving.request import parse_text
 from backend.engine.errors import InvalidRequestError
 from backend.serving.tokenizer import encode, load_tokenizer
 from backend.serving.model_store import resolve_model_dir
@@ -48,7 +49,7 @@ class TritonPythonModel:
             raise InvalidRequestError("ignore_eos", "static_hf always generates max_tokens tokens")
         text = parse_text(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy())
         prompt = encode(self.tokenizer, text, apply_chat_template=bool(value("apply_chat_template", False)))
-        max_tokens = int(value("max_tokens", DEFAULT_MAX_TOKENS))
+        max_tokens = int(value("max_tokens", SamplingParams().max_tokens))
         if max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
         detokenizer = IncrementalDetokenizer(self.tokenizer)
