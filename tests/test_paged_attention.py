@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.engine.batch import build_model_input
-from backend.engine.kernels import paged_attention
+from backend.engine.kernels import cpu_kernels
 from backend.engine.models.llama import KernelLayout, ModelConfig, RowLayout
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
@@ -36,7 +36,7 @@ def scheduled_batch(rng: np.random.Generator, num_blocks: int) -> list[tuple[Seq
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_kernel_equals_gather(dtype, tol):
-    paged_attention.load()
+    cpu_kernels.load()
     rng = np.random.default_rng(0)
     num_blocks = 64
     batch = build_model_input(scheduled_batch(rng, num_blocks), BLOCK, q_tile=8)
@@ -60,9 +60,9 @@ def test_kernel_equals_gather(dtype, tol):
 
 
 def test_kernel_rejects_mismatched_dtypes():
-    paged_attention.load()
+    cpu_kernels.load()
     q = torch.zeros(1, H, D)
     cache = torch.zeros(2, BLOCK, KVH, D, dtype=torch.bfloat16)
     idx = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        paged_attention.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)
+        cpu_kernels.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)

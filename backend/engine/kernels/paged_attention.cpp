@@ -6,79 +6,31 @@
 // A query of sequence s at index i of its chunk sits at position context_lens[s] - chunk + i and sees
 // keys 0..position: the cache must already hold this step's new keys and values.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "cpu_math.h"
 
 namespace {
 
-// exp(x) for x <= 0 (softmax after the max is taken out): 2^(x log2 e) split into an integer power,
-// built in the exponent bits, and a degree-6 polynomial of the fraction (relative error ~2e-7, about
-// std::exp's float rounding). Plain arithmetic, so the softmax loop vectorizes; std::exp does not.
-#pragma omp declare simd
-inline float fast_exp(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;  // [0, 1)
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using namespace llm_kernels;
 
-// 8 floats in a vector register (GCC/Clang vector extensions: AVX2 here, NEON on ARM).
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline v8f load8(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  v8u16 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const v8u32 wide = __builtin_convertvector(raw, v8u32) << 16;
-  v8f v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
-}
-
-inline v8f load8(const c10::Half* p) {
-  v8f v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-
-inline float sum8(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-// f(j, row) for positions j = 0..n-1 of a sequence, in order, block by block through its block table;
-// row: position j's [KVH, D] slice of the cache (a block holds every KV head, so reads are contiguous).
-template <typename scalar_t, typename F>
-inline void for_each_key(const scalar_t* __restrict cache, const int64_t* __restrict table, int64_t n,
-                         int64_t block_size, int64_t row_size, F&& f) {
+// For positions j = 0..n-1 of a sequence, in order, block by block through its block table: pair(j, row_j,
+// row_j+1) for two positions of one block at a time (two independent chains of FMAs), one(j, row_j) for a
+// block's odd last. row: position j's [KVH, D] slice of the cache, from `cache` (offset to a KV head), so
+// a block's rows are read in order.
+template <typename scalar_t, typename Pair, typename One>
+inline void for_each_key_pair(const scalar_t* __restrict cache, const int64_t* __restrict table, int64_t n,
+                              int64_t block_size, int64_t row_size, Pair&& pair, One&& one) {
   for (int64_t j0 = 0; j0 < n; j0 += block_size) {
     const scalar_t* __restrict block = cache + table[j0 / block_size] * block_size * row_size;
     const int64_t m = std::min(block_size, n - j0);
-    for (int64_t jo = 0; jo < m; ++jo) f(j0 + jo, block + jo * row_size);
+    int64_t jo = 0;
+    for (; jo + 1 < m; jo += 2) pair(j0 + jo, block + jo * row_size, block + (jo + 1) * row_size);
+    if (jo < m) one(j0 + jo, block + jo * row_size);
   }
 }
 
@@ -87,56 +39,57 @@ struct Shape {
   float scale;
 };
 
-// One query token against keys 0..n-1 of its sequence, all heads: blocks are read whole and in
-// order (a block holds every KV head), each key once for the G query heads that share it.
-// Scratch: scores H * max_ctx, acc and qf H * head_dim floats.
-template <typename scalar_t>
+// One query token against keys 0..n-1 of its sequence, head by head: the head's query and its output
+// accumulator stay in registers (V vectors of kLanes floats: head_dim = V * kLanes), and each (head, key)
+// pair costs V loads and V FMAs for q.k, one horizontal add, and V loads and V FMAs for p.v. A key row
+// holds every KV head (a block is read in order); heads of one group re-read it from L1/L2.
+// Scratch: scores max_ctx floats.
+template <typename scalar_t, int V>
 void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                   const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                  int64_t n, const Shape& shape, float* __restrict scores, float* __restrict acc,
-                  float* __restrict qf) {
-  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = shape.head_dim;
-  const int64_t BS = shape.block_size, max_ctx = shape.max_ctx, V = D / 8;
-  for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(q[i]) * shape.scale;
-
-  for_each_key(k_cache, table, n, BS, KVH * D, [&](int64_t j, const scalar_t* __restrict row) {
-    for (int64_t g = 0; g < KVH; ++g) {
-      const scalar_t* __restrict key = row + g * D;
-      for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-        const float* __restrict qh = qf + h * D;
-        v8f dot = {};
-        for (int64_t v = 0; v < V; ++v) dot += load8(qh + 8 * v) * load8(key + 8 * v);
-        scores[h * max_ctx + j] = sum8(dot);
-      }
-    }
-  });
-  float inv_sum[256];
+                  int64_t n, const Shape& shape, float* __restrict scores) {
+  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes;
+  const int64_t BS = shape.block_size, row = KVH * D;
   for (int64_t h = 0; h < H; ++h) {
-    float* __restrict sh = scores + h * max_ctx;
-    const float mx = *std::max_element(sh, sh + n);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      sh[j] = fast_exp(sh[j] - mx);
-      sum += sh[j];
-    }
-    inv_sum[h] = 1.f / sum;
-  }
-  std::fill(acc, acc + H * D, 0.f);
-  for_each_key(v_cache, table, n, BS, KVH * D, [&](int64_t j, const scalar_t* __restrict row) {
-    for (int64_t g = 0; g < KVH; ++g) {
-      const scalar_t* __restrict value = row + g * D;
-      for (int64_t v = 0; v < V; ++v) {
-        const v8f x = load8(value + 8 * v);
-        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-          const v8f sum = load8(acc + h * D + 8 * v) + scores[h * max_ctx + j] * x;
-          std::memcpy(acc + h * D + 8 * v, &sum, sizeof sum);
-        }
+    const int64_t kv_offset = (h / G) * D;  // the head's KV head within a row
+    vfloat qv[V];
+    for (int v = 0; v < V; ++v) qv[v] = load(q + h * D + v * kLanes) * shape.scale;
+    for_each_key_pair(k_cache + kv_offset, table, n, BS, row,
+                      [&](int64_t j, const scalar_t* __restrict k0, const scalar_t* __restrict k1) {
+      vfloat d0 = qv[0] * load(k0), d1 = qv[0] * load(k1);
+      for (int v = 1; v < V; ++v) {
+        d0 += qv[v] * load(k0 + v * kLanes);
+        d1 += qv[v] * load(k1 + v * kLanes);
       }
+      scores[j] = sum(d0);
+      scores[j + 1] = sum(d1);
+    }, [&](int64_t j, const scalar_t* __restrict key) {
+      vfloat dot = qv[0] * load(key);
+      for (int v = 1; v < V; ++v) dot += qv[v] * load(key + v * kLanes);
+      scores[j] = sum(dot);
+    });
+    const float mx = *std::max_element(scores, scores + n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      scores[j] = fast_exp(scores[j] - mx);
+      total += scores[j];
     }
-  });
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<scalar_t>(acc[h * D + d] * inv_sum[h]);
+    vfloat acc[V] = {}, acc1[V] = {};  // two chains of FMAs: keys j and j + 1
+    for_each_key_pair(v_cache + kv_offset, table, n, BS, row,
+                      [&](int64_t j, const scalar_t* __restrict v0, const scalar_t* __restrict v1) {
+      for (int v = 0; v < V; ++v) {
+        acc[v] += scores[j] * load(v0 + v * kLanes);
+        acc1[v] += scores[j + 1] * load(v1 + v * kLanes);
+      }
+    }, [&](int64_t j, const scalar_t* __restrict value) {
+      for (int v = 0; v < V; ++v) acc[v] += scores[j] * load(value + v * kLanes);
+    });
+    for (int v = 0; v < V; ++v) acc[v] += acc1[v];
+    const float inv = 1.f / total;
+    for (int v = 0; v < V; ++v)
+      for (int64_t i = 0; i < kLanes; ++i) out[h * D + v * kLanes + i] = static_cast<scalar_t>(acc[v][i] * inv);
+  }
 }
 
 template <typename scalar_t>
@@ -149,21 +102,33 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     shape.max_ctx = std::max(shape.max_ctx, context_lens[s]);
   }
   const int64_t HD = shape.num_heads * shape.head_dim;
-  // Thread c takes tokens c, c + n, c + 2n, ...: prefill tokens cost far more than decode tokens, and
-  // a strided deal spreads both kinds over the threads (contiguous chunks would not).
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tokens);
-  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(shape.num_heads * shape.max_ctx), acc(HD), qf(HD);
-    for (int64_t c = begin; c < end; ++c) {
-      for (int64_t t = c; t < num_tokens; t += num_threads) {
-        const int64_t s = token_seq[t];
-        const int64_t chunk = query_start[s + 1] - query_start[s];
-        const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
-        attend_token<scalar_t>(q + t * HD, k_cache, v_cache, out + t * HD, block_tables + s * shape.max_blocks, n,
-                               shape, scores.data(), acc.data(), qf.data());
+  const auto token = [&](auto head_vectors) {
+    constexpr int V = decltype(head_vectors)::value;
+    // Thread c takes tokens c, c + n, c + 2n, ...: prefill tokens cost far more than decode tokens, and
+    // a strided deal spreads both kinds over the threads (contiguous chunks would not).
+    const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tokens);
+    at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(shape.max_ctx);
+      for (int64_t c = begin; c < end; ++c) {
+        for (int64_t t = c; t < num_tokens; t += num_threads) {
+          const int64_t s = token_seq[t];
+          const int64_t chunk = query_start[s + 1] - query_start[s];
+          const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
+          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, block_tables + s * shape.max_blocks,
+                                    n, shape, scores.data());
+        }
       }
-    }
-  });
+    });
+  };
+  switch (shape.head_dim / kLanes) {
+    case 1: token(std::integral_constant<int, 1>{}); break;
+    case 2: token(std::integral_constant<int, 2>{}); break;
+    case 4: token(std::integral_constant<int, 4>{}); break;
+    case 8: token(std::integral_constant<int, 8>{}); break;
+    case 16: token(std::integral_constant<int, 16>{}); break;
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", shape.head_dim, " is not 1, 2, 4, 8 or 16 vectors of ",
+                         kLanes, " floats");
+  }
 }
 
 // q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [S, B];
@@ -175,7 +140,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_attention: q and the cache must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "paged_attention: head mismatch");
-  TORCH_CHECK(q.size(1) <= 256 && q.size(2) % 8 == 0, "paged_attention: at most 256 heads, head_dim a multiple of 8");
+  TORCH_CHECK(q.size(2) % kLanes == 0, "paged_attention: head_dim a multiple of ", kLanes,
+              " (this CPU's float vector width)");
   for (const auto* t : {&block_tables, &query_start, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
@@ -198,7 +164,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 }  // namespace
 
-TORCH_LIBRARY(llm_kernels, m) {
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor context_lens, float scale) -> Tensor");
 }

@@ -110,10 +110,55 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+
+class TorchOps:
+    """The elementwise ops around the GEMMs as torch ops: HF's math, the reference, and what the exported
+    graph runs. `KernelOps` (the CPU kernels) computes the same in one pass each."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+        return norm.weight * x32.to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, delta: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, its norm)."""
+        residual = residual + delta
+        return residual, cls.rms_norm(residual, norm)
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, KVH, D] rotated by cos/sin [T, D] (HF's rotate_half convention)."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
+
+
+class KernelOps(TorchOps):
+    """TorchOps on the CPU kernels (backend/engine/kernels/fused_ops.cpp); residual and q/k change in place.
+    SiLU * up stays TorchOps': two vectorized torch ops measured as fast as a fused loop."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        return torch.ops.llm_kernels.rms_norm(x, norm.weight, norm.eps)
+
+    @staticmethod
+    def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return residual, torch.ops.llm_kernels.add_rms_norm(delta, residual, norm.weight, norm.eps)
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.ops.llm_kernels.rotary(q, k, cos, sin)
+        return q, k
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -133,22 +178,19 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer_cache_k, layer_cache_v, rows):
+    def forward(self, x, h, next_norm: RMSNorm, cos, sin, layer_cache_k, layer_cache_v, rows, ops):
+        """x: the residual stream, h: its input_layernorm. Returns the stream after this layer, its norm by
+        `next_norm` (the next layer's input_layernorm, or the final norm), and this layer's new K and V."""
         cfg = self.cfg
         T = x.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-        q = q.reshape(T, H, D)
-        k = k.reshape(T, KVH, D)
-        v = v.reshape(T, KVH, D)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.qkv_proj(h).split([H * D, KVH * D, KVH * D], dim=-1)
+        q, k = ops.rotary(q.view(T, H, D), k.view(T, KVH, D), cos, sin)
+        v = v.view(T, KVH, D)
         attn = rows.attend(q, k, v, layer_cache_k, layer_cache_v, cfg)
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        x = x + self.down_proj(nn.functional.silu(gate) * up)
-        return x, k, v
+        x, h = ops.add_rms_norm(self.o_proj(attn), x, self.post_attention_layernorm)
+        x, h = ops.add_rms_norm(self.down_proj(ops.silu_mul(self.gate_up_proj(h))), x, next_norm)
+        return x, h, k, v
 
 
 @dataclass
@@ -176,7 +218,7 @@ class KernelLayout:
     slot_mapping: torch.Tensor  # [T]
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
-        from backend.engine.kernels.paged_attention import paged_attention
+        from backend.engine.kernels.cpu_kernels import paged_attention
 
         KVH, D = cfg.num_kv_heads, cfg.head_dim
         cache_k.view(-1, KVH, D).index_copy_(0, self.slot_mapping, k)
@@ -237,16 +279,18 @@ class PagedLlama(nn.Module):
         `kernel` the new K/V are already in the cache, and None is returned for them."""
         rows = kernel or RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst,
                                    token_slot)
+        ops = KernelOps if kernel is not None else TorchOps
         x = self.embed_tokens(token_ids)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        h = ops.rms_norm(x, self.layers[0].input_layernorm)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows)
+            x, h, k, v = layer(x, h, norms[i], cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows, ops)
             if kernel is None:
                 new_kv.append(torch.stack((k, v)))
-        x = self.norm(x[last_token_index])
-        return self.lm_head(x).float(), torch.stack(new_kv) if new_kv else None
+        return self.lm_head(h[last_token_index]).float(), torch.stack(new_kv) if new_kv else None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from backend.engine.kernels.paged_attention import REPO_ROOT, cpu_tag
+from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]

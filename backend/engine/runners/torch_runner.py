@@ -29,10 +29,10 @@ def resolve_attention(attention: str, device: torch.device) -> str:
         return "gather"
     if device.type != "cpu":
         raise ValueError(f"attention: the paged-attention kernel runs on the CPU only, not on {device}")
-    from backend.engine.kernels import paged_attention
+    from backend.engine.kernels import cpu_kernels
 
     try:
-        paged_attention.load()
+        cpu_kernels.load()
     except Exception as e:  # no compiler, no ninja, a failed build: serve anyway, slower
         if attention == "kernel":
             raise

@@ -1,0 +1,59 @@
+"""The CPU kernels of the eager PyTorch path, compiled on first use: paged attention (paged_attention.cpp) and
+the fused elementwise ops around the GEMMs (fused_ops.cpp), both over cpu_math.h.
+
+They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
+where the CPU has them), once, into `$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take
+milliseconds. Building needs a C++ compiler and ninja (pinned in requirements.txt). The exported graph
+(ONNX Runtime, TensorRT) never uses them: models/llama.py keeps the torch ops they replace as the reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp")
+HEADERS = (HERE / "cpu_math.h",)
+REPO_ROOT = HERE.parents[2]
+_lock = threading.Lock()
+
+
+def cpu_tag() -> str:
+    """-march=native code runs only where it was built: key the build folder by the CPU's flags."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
+def load() -> None:
+    """Compile (or load the cached build of) the kernels: registers torch.ops.llm_kernels.*."""
+    from torch.utils.cpp_extension import load as build
+
+    with _lock:
+        if hasattr(torch.ops.llm_kernels, "paged_attention"):
+            return
+        root = Path(os.environ.get("LLM_KERNEL_CACHE") or REPO_ROOT / ".cache" / "kernels")
+        build_dir = root / cpu_tag()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch rebuilds when a source or a flag changes, not a header: put the header's hash in a flag
+        headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
+        log.info("cpu kernels: loading from %s (compiled there on first use, ~30 s)", build_dir)
+        build(name="llm_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
+              extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DLLM_KERNELS_HEADERS={headers}"],
+              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]; the cache [num_blocks, block_size, KVH, D] must hold this step's K/V."""
+    return torch.ops.llm_kernels.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)

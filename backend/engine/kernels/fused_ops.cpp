@@ -1,0 +1,142 @@
+// The elementwise work around a step's GEMMs, fused: one pass over memory instead of one per torch op
+// (RMSNorm alone is six: float copy, pow, mean, add, rsqrt, two muls; rotary is six more). SiLU * up stays
+// two torch ops: they vectorize, and a fused loop measured no faster here. Each op rounds to the storage dtype
+// where the torch ops it replaces do (models/llama.py, the reference the exported graph runs), so float32
+// results differ only in the order of the sums; bfloat16 and float16 in those and the rounding of partial
+// sums that torch keeps in float32 too.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+
+namespace {
+
+using namespace llm_kernels;
+
+// f(scalar_t{}) for the tensor's storage dtype.
+template <typename F>
+void dispatch(const at::Tensor& t, const char* op, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only, not ", t.scalar_type());
+  }
+}
+
+// One row: out = weight * round(x * rsqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm.
+template <typename scalar_t>
+inline void rms_norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * round_to<scalar_t>(static_cast<float>(x[i]) * r));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1), op,
+              ": x [T, hidden] contiguous and weight [hidden] expected");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": x and weight must share a dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(1);
+  dispatch(x, "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t *px = x.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) rms_norm_row(px + t * n, pw, po + t * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual += delta (rounded as torch's add), then returns rms_norm(residual): the residual stream's add
+// and the next norm in one pass (vLLM's fused_add_rms_norm).
+at::Tensor add_rms_norm(const at::Tensor& delta, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(residual, weight, "add_rms_norm");
+  TORCH_CHECK(delta.sizes() == residual.sizes() && delta.is_contiguous() &&
+              delta.scalar_type() == residual.scalar_type(), "add_rms_norm: delta must match residual");
+  auto out = at::empty_like(residual);
+  const int64_t n = residual.size(1);
+  dispatch(residual, "add_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t *pd = delta.data_ptr<scalar_t>(), *pw = weight.data_ptr<scalar_t>();
+    scalar_t *pr = residual.data_ptr<scalar_t>(), *po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, residual.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* row = pr + t * n;
+        for (int64_t i = 0; i < n; ++i)
+          row[i] = static_cast<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(pd[t * n + i]));
+        rms_norm_row(row, pw, po + t * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// In place on x [T, heads, D] (any row stride): x * cos + rotate_half(x) * sin, cos/sin [T, D] in x's dtype
+// (HF's rotate_half: the first half of each head pairs with the second).
+template <typename scalar_t>
+void rotate(scalar_t* x, int64_t row_stride, int64_t heads, int64_t D, const scalar_t* cos, const scalar_t* sin,
+            int64_t t) {
+  const int64_t half = D / 2;
+  const scalar_t *c = cos + t * D, *s = sin + t * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    scalar_t* v = x + t * row_stride + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
+      const float lo = round_to<scalar_t>(a * static_cast<float>(c[i])) +
+                       round_to<scalar_t>(-b * static_cast<float>(s[i]));
+      const float hi = round_to<scalar_t>(b * static_cast<float>(c[i + half])) +
+                       round_to<scalar_t>(a * static_cast<float>(s[i + half]));
+      v[i] = static_cast<scalar_t>(lo);
+      v[i + half] = static_cast<scalar_t>(hi);
+    }
+  }
+}
+
+void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+              q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rotary: q, k [T, heads, D] with contiguous heads expected");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+              cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && q.size(2) % 2 == 0,
+              "rotary: cos, sin [T, D] contiguous expected");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+              sin.scalar_type() == q.scalar_type(), "rotary: q, k, cos and sin must share a dtype");
+  dispatch(q, "rotary", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t *pq = q.data_ptr<scalar_t>(), *pk = k.data_ptr<scalar_t>();
+    const scalar_t *pc = cos.data_ptr<scalar_t>(), *ps = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rotate(pq, q.stride(0), q.size(1), q.size(2), pc, ps, t);
+        rotate(pk, k.stride(0), k.size(1), k.size(2), pc, ps, t);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor delta, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary", &rotary);
+}
