@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
+from load_tests.machine import cpu_summary
 from load_tests.workload import Request, load_workload, make_workload, model_vocab, save_workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(r.max_tokens for r in requests)
     print(f"model {model_dir}: {len(requests)} requests, {prompt_tokens} prompt and {output_tokens} output "
-          f"tokens, {args.threads} threads", file=sys.stderr)
+          f"tokens, {args.threads} threads on {cpu_summary()}", file=sys.stderr)
 
     results: list[SystemResult] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -516,6 +517,7 @@ def main(argv: list[str] | None = None) -> None:
             for system in args.systems:
                 results.append(run_system(system, model_dir, dtype, workload,
                                           rss_check if system == "engine" else None, args.wait_idle))
+    print(f"CPU: {cpu_summary()}")
     print(table(results, args.threads))
 
     rel = ratios(results)
@@ -527,13 +529,13 @@ def main(argv: list[str] | None = None) -> None:
                      "prompts": "random token ids", "ignore_eos": True},
         "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu": cpu_summary(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "results": [{**asdict(r), **rel.get((r.system, r.dtype), {})} for r in results],
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     chart = args.out.with_suffix(".png")
-    plot(results, chart, f"{model_dir.name}: {len(requests)} requests, {args.threads} threads")
+    plot(results, chart, f"{model_dir.name}: {len(requests)} requests, {args.threads} threads\n{cpu_summary()}")
     print(f"wrote {args.out} and {chart}", file=sys.stderr)
 
 

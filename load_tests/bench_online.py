@@ -60,6 +60,7 @@ from load_tests.bench_offline import VLLM_PYTHON, resolve_model, run_system, wai
 from load_tests.server_stats import find_tritonserver, tree_cpu_seconds
 from load_tests.streams import StreamError, StreamRecord, grpc_stream, openai_sse_stream
 from load_tests.vllm_offline_runner import MAX_MODEL_LEN, cpu_env
+from load_tests.machine import cpu_summary
 from load_tests.workload import Request, make_workload, model_vocab, save_workload
 
 HERE = Path(__file__).resolve().parent
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
                                         if k in os.environ),
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),
             "output_tokens": sum(i.max_tokens for i in items), "ttft_slo_s": TTFT_SLO_S,
-            "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"}
+            "machine": f"{cpu_summary()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"}
     print(f"{model_dir.name}: {len(items)} requests per run (the burst's: {info['prompt_tokens']} prompt and "
           f"{info['output_tokens']} output tokens); rates {args.rates}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
