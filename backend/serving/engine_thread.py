@@ -64,9 +64,9 @@ class LoopObserver:
 
 
 class EngineLoop:
-    def __init__(self, build_engine: Callable[[], LLMEngine], tokenizer=None,
+    def __init__(self, make_engine: Callable[[], LLMEngine], tokenizer=None,
                  observer: LoopObserver | None = None):
-        self._build_engine = build_engine
+        self._make_engine = make_engine
         self.engine: LLMEngine | None = None  # built by the loop thread
         self.tokenizer = tokenizer  # needed for stop strings
         self.observer = observer or LoopObserver()
@@ -119,7 +119,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            self.engine = self._build_engine()
+            self.engine = self._make_engine()
         except BaseException as err:  # noqa: BLE001 - start() raises it
             self.error = err
             self._fail_all(EngineDeadError(f"building the engine failed: {err!r}"))
