@@ -1,4 +1,4 @@
-// Shared by the CPU kernels: a vectorizable exp and float vectors of the widest width this build's CPU
+// Shared by the CPU kernels: float vectors of the widest width this build's CPU
 // has (16 floats with AVX-512, else 8: AVX2 here, NEON pairs on ARM), loaded from any storage dtype.
 #pragma once
 
@@ -15,28 +15,6 @@
 
 namespace llm_kernels {
 
-// exp(x) for x <= 0 (softmax after the max is taken out, sigmoid of -|x|): 2^(x log2 e) split into an
-// integer power, built in the exponent bits, and a degree-6 polynomial of the fraction (relative error
-// ~2e-7, about std::exp's float rounding). Plain arithmetic, so loops over it vectorize; std::exp does not.
-#pragma omp declare simd
-inline float fast_exp(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;  // [0, 1)
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
 #else
@@ -45,6 +23,31 @@ constexpr int64_t kLanes = 8;
 typedef float vfloat __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(kLanes * 4)));
+
+typedef int32_t vi32 __attribute__((vector_size(kLanes * 4)));
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// exp(x) for x <= 0 (softmax after the max is taken out), every lane at once: 2^(x log2 e) split into an
+// integer power, built in the exponent bits, and a degree-6 polynomial of the fraction (relative error ~2e-7,
+// about std::exp's float rounding). Written on vectors: a scalar version behind `omp simd` stayed scalar.
+inline vfloat fast_exp(vfloat x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  const vfloat t = x * 1.44269504088896341f;
+  vi32 ti = __builtin_convertvector(t, vi32);  // toward zero: one above the floor where t is not whole
+  ti += (__builtin_convertvector(ti, vfloat) > t);  // a true comparison is -1
+  const vfloat f = t - __builtin_convertvector(ti, vfloat);  // [0, 1)
+  vfloat p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  return p * (vfloat)((ti + 127) << 23);
+}
+
+inline vfloat max(vfloat a, vfloat b) { return a > b ? a : b; }
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -85,6 +88,27 @@ inline float sum(vfloat v) {  // the lanes added in registers (a tree of shuffle
   return lanes[0];
 #endif
 }
+
+#if defined(__AVX512F__)
+// The sums of 16 vectors at once, as one vector, by a tree of shuffles and adds (45 instructions, where 16
+// horizontal adds take ~130). The tree leaves vector i's sum in lane kTreeOrder[i] (an involution): pass key
+// kTreeOrder[s] as vector s, and lane k holds key k's sum.
+constexpr int kTreeOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+inline vfloat sum16(const vfloat (&x)[16]) {
+  const auto m = [](vfloat v) { return reinterpret_cast<__m512>(v); };
+  __m512 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 512 -> 256 bits per vector: x[i] and x[i + 8] share a register
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(m(x[i]), m(x[i + 8]), 0x44),
+                         _mm512_shuffle_f32x4(m(x[i]), m(x[i + 8]), 0xEE));
+  for (int i = 0; i < 4; ++i)  // 256 -> 128
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[i], y[i + 4], 0x88), _mm512_shuffle_f32x4(y[i], y[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // 128 -> 64
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(z[i], z[i + 2], 0x44), _mm512_shuffle_ps(z[i], z[i + 2], 0xEE));
+  return reinterpret_cast<vfloat>(
+      _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD)));
+}
+#endif
 
 // x rounded to the storage dtype and back: the rounding torch applies after each op in that dtype.
 template <typename scalar_t>

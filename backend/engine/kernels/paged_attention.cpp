@@ -18,77 +18,89 @@ namespace {
 
 using namespace llm_kernels;
 
-// For positions j = 0..n-1 of a sequence, in order, block by block through its block table: pair(j, row_j,
-// row_j+1) for two positions of one block at a time (two independent chains of FMAs), one(j, row_j) for a
-// block's odd last. row: position j's [KVH, D] slice of the cache, from `cache` (offset to a KV head), so
-// a block's rows are read in order.
-template <typename scalar_t, typename Pair, typename One>
-inline void for_each_key_pair(const scalar_t* __restrict cache, const int64_t* __restrict table, int64_t n,
-                              int64_t block_size, int64_t row_size, Pair&& pair, One&& one) {
-  for (int64_t j0 = 0; j0 < n; j0 += block_size) {
-    const scalar_t* __restrict block = cache + table[j0 / block_size] * block_size * row_size;
-    const int64_t m = std::min(block_size, n - j0);
-    int64_t jo = 0;
-    for (; jo + 1 < m; jo += 2) pair(j0 + jo, block + jo * row_size, block + (jo + 1) * row_size);
-    if (jo < m) one(j0 + jo, block + jo * row_size);
-  }
-}
-
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_ctx;
   float scale;
 };
 
+// x[0..n) -> exp(x - max x) in place; returns their sum. Whole vectors, then the last n % kLanes lanes.
+inline float softmax(float* __restrict x, int64_t n) {
+  const int64_t whole = n - n % kLanes;
+  float mx = x[0];
+  for (int64_t i = whole; i < n; ++i) mx = std::max(mx, x[i]);
+  if (whole) {
+    vfloat m = load(x);
+    for (int64_t i = kLanes; i < whole; i += kLanes) m = max(m, load(x + i));
+    for (int64_t i = 0; i < kLanes; ++i) mx = std::max(mx, m[i]);
+  }
+  vfloat total = {};
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const vfloat e = fast_exp(load(x + i) - mx);
+    store(x + i, e);
+    total += e;
+  }
+  float rest = 0.f;
+  if (whole < n) {
+    vfloat tail = splat(mx);  // lanes past n: exp(0), neither stored nor counted
+    std::memcpy(&tail, x + whole, (n - whole) * sizeof(float));
+    const vfloat e = fast_exp(tail - mx);
+    for (int64_t i = 0; i < n - whole; ++i) rest += (x[whole + i] = e[i]);
+  }
+  return sum(total) + rest;
+}
+
 // One query token against keys 0..n-1 of its sequence, head by head: the head's query and its output
-// accumulator stay in registers (V vectors of kLanes floats: head_dim = V * kLanes), and each (head, key)
-// pair costs V loads and V FMAs for q.k, one horizontal add, and V loads and V FMAs for p.v. A key row
-// holds every KV head (a block is read in order); heads of one group re-read it from L1/L2.
-// Scratch: scores max_ctx floats.
+// accumulator stay in registers (V vectors of kLanes floats: head_dim = V * kLanes). q.k costs V loads and V
+// FMAs per (head, key) and, with AVX-512, a shared horizontal add per 16 keys (sum16); p.v V loads and V FMAs
+// in two chains. Key j's row (every KV head of one position) starts at element offsets[j] of the cache: the
+// block table is read once per token, and heads of one group re-read rows from L1/L2.
+// Scratch: scores and offsets, max_ctx each.
 template <typename scalar_t, int V>
 void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                   const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                  int64_t n, const Shape& shape, float* __restrict scores) {
+                  int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets) {
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes;
   const int64_t BS = shape.block_size, row = KVH * D;
+  for (int64_t j0 = 0, b = 0; j0 < n; j0 += BS, ++b)
+    for (int64_t j = j0; j < std::min(j0 + BS, n); ++j) offsets[j] = (table[b] * BS + j - j0) * row;
+
   for (int64_t h = 0; h < H; ++h) {
-    const int64_t kv_offset = (h / G) * D;  // the head's KV head within a row
+    const scalar_t* __restrict keys = k_cache + (h / G) * D;  // the head's KV head within a row
+    const scalar_t* __restrict values = v_cache + (h / G) * D;
     vfloat qv[V];
     for (int v = 0; v < V; ++v) qv[v] = load(q + h * D + v * kLanes) * shape.scale;
-    for_each_key_pair(k_cache + kv_offset, table, n, BS, row,
-                      [&](int64_t j, const scalar_t* __restrict k0, const scalar_t* __restrict k1) {
-      vfloat d0 = qv[0] * load(k0), d1 = qv[0] * load(k1);
-      for (int v = 1; v < V; ++v) {
-        d0 += qv[v] * load(k0 + v * kLanes);
-        d1 += qv[v] * load(k1 + v * kLanes);
-      }
-      scores[j] = sum(d0);
-      scores[j + 1] = sum(d1);
-    }, [&](int64_t j, const scalar_t* __restrict key) {
-      vfloat dot = qv[0] * load(key);
-      for (int v = 1; v < V; ++v) dot += qv[v] * load(key + v * kLanes);
-      scores[j] = sum(dot);
-    });
-    const float mx = *std::max_element(scores, scores + n);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; ++j) {
-      scores[j] = fast_exp(scores[j] - mx);
-      total += scores[j];
+    const auto dot = [&](int64_t j) {
+      const scalar_t* __restrict key = keys + offsets[j];
+      vfloat d = qv[0] * load(key);
+      for (int v = 1; v < V; ++v) d += qv[v] * load(key + v * kLanes);
+      return d;
+    };
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+      vfloat d[16];
+      for (int s = 0; s < 16; ++s) d[s] = dot(j + kTreeOrder[s]);
+      store(scores + j, sum16(d));
     }
+#endif
+    for (; j < n; ++j) scores[j] = sum(dot(j));
+
+    const float total = softmax(scores, n);
     vfloat acc[V] = {}, acc1[V] = {};  // two chains of FMAs: keys j and j + 1
-    for_each_key_pair(v_cache + kv_offset, table, n, BS, row,
-                      [&](int64_t j, const scalar_t* __restrict v0, const scalar_t* __restrict v1) {
+    for (j = 0; j + 1 < n; j += 2) {
+      const scalar_t *__restrict v0 = values + offsets[j], *__restrict v1 = values + offsets[j + 1];
       for (int v = 0; v < V; ++v) {
         acc[v] += scores[j] * load(v0 + v * kLanes);
         acc1[v] += scores[j + 1] * load(v1 + v * kLanes);
       }
-    }, [&](int64_t j, const scalar_t* __restrict value) {
-      for (int v = 0; v < V; ++v) acc[v] += scores[j] * load(value + v * kLanes);
-    });
-    for (int v = 0; v < V; ++v) acc[v] += acc1[v];
+    }
+    if (j < n)
+      for (int v = 0; v < V; ++v) acc[v] += scores[j] * load(values + offsets[j] + v * kLanes);
     const float inv = 1.f / total;
-    for (int v = 0; v < V; ++v)
-      for (int64_t i = 0; i < kLanes; ++i) out[h * D + v * kLanes + i] = static_cast<scalar_t>(acc[v][i] * inv);
+    for (int v = 0; v < V; ++v) {
+      acc[v] = (acc[v] + acc1[v]) * inv;
+      for (int64_t i = 0; i < kLanes; ++i) out[h * D + v * kLanes + i] = static_cast<scalar_t>(acc[v][i]);
+    }
   }
 }
 
@@ -109,13 +121,14 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tokens);
     at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(shape.max_ctx);
+      std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t c = begin; c < end; ++c) {
         for (int64_t t = c; t < num_tokens; t += num_threads) {
           const int64_t s = token_seq[t];
           const int64_t chunk = query_start[s + 1] - query_start[s];
           const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
           attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, block_tables + s * shape.max_blocks,
-                                    n, shape, scores.data());
+                                    n, shape, scores.data(), offsets.data());
         }
       }
     });
