@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.engine.config import EngineConfig
@@ -22,27 +18,7 @@ from backend.engine.engine import kv_pool_blocks
 from backend.engine.models.llama import load_model_config
 from backend.engine.runners.base import DTYPES
 from backend.engine.runners.manifest import max_blocks_per_seq
-from backend.serving.model_store import resolve_model_dir
-
-
-@dataclass
-class Progress:
-    total: int
-    done: int = 0
-    start: float = field(default_factory=time.perf_counter)
-
-    @contextmanager
-    def stage(self, label: str) -> Iterator[None]:
-        self.done += 1
-        tag = f"stage {self.done}/{self.total}"
-        say(f"{tag} {label} ...")
-        t0 = time.perf_counter()
-        yield
-        say(f"{tag} done in {time.perf_counter() - t0:.1f} s (elapsed {time.perf_counter() - self.start:.1f} s)")
-
-
-def say(line: str) -> None:
-    print(f"[build_engine] {line}", file=sys.stderr, flush=True)
+from backend.serving.model_store import Stages, resolve_model_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,14 +52,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     output = Path(args.output).resolve()
-    progress = Progress(total=4 + (args.runtime == "tensorrt") + (args.llm_config is not None))
+    progress = Stages("build_engine", total=4 + (args.runtime == "tensorrt") + (args.llm_config is not None))
     with progress.stage(f"preparing model {args.model}"):
         model_dir = resolve_model_dir(args.model)
     from build_engine.export_onnx import OPSETS, export_engine_dir
 
     opset = args.opset or OPSETS[args.runtime]
     check = export_engine_dir(model_dir, output, args.dtype, opset, progress.stage)  # stages 2-4
-    say(str(check))
+    progress.say(str(check))
     if args.runtime == "tensorrt":
         from build_engine.tensorrt_build import BuildLimits, build_plan
 
@@ -102,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
 
         with progress.stage(f"pointing {args.llm_config} at {output}"):
             update_llm_config(args.llm_config, args.runtime, output, args.dtype)
-    say(f"engine ready in {output} ({time.perf_counter() - progress.start:.1f} s)")
+    progress.say(f"engine ready in {output} ({time.perf_counter() - progress.start:.1f} s)")
 
 
 if __name__ == "__main__":

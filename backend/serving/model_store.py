@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,20 +82,28 @@ class GgufFacts:
 
 
 @dataclass
-class Progress:
-    verbose: bool
-    start: float
+class Stages:
+    """A long job's numbered stages on stderr, `[tag] stage i/N label ...` then its time (the model store's
+    conversion, `python -m build_engine`)."""
+
+    tag: str
+    total: int
+    verbose: bool = True
+    done: int = 0
+    start: float = field(default_factory=time.perf_counter)
 
     @contextmanager
-    def stage(self, index: int, label: str) -> Iterator[None]:
-        self.say(f"{index}/{STAGES} {label} ...")
+    def stage(self, label: str) -> Iterator[None]:
+        self.done += 1
+        step = f"stage {self.done}/{self.total}"
+        self.say(f"{step} {label} ...")
         t0 = time.perf_counter()
         yield
-        self.say(f"{index}/{STAGES} {label} done {time.perf_counter() - t0:.1f} s")
+        self.say(f"{step} done in {time.perf_counter() - t0:.1f} s (elapsed {time.perf_counter() - self.start:.1f} s)")
 
     def say(self, line: str) -> None:
         if self.verbose:
-            print(f"[prepare] {line}", file=sys.stderr, flush=True)
+            print(f"[{self.tag}] {line}", file=sys.stderr, flush=True)
 
 
 def default_model_dir() -> Path:
@@ -107,8 +115,8 @@ def default_model_dir() -> Path:
 def prepare_default_model(verbose: bool = True) -> Path:
     """Return the converted model folder, converting the GGUF first unless it is already there."""
     target = default_model_dir()
-    progress = Progress(verbose, time.perf_counter())
-    with progress.stage(1, "locating GGUF"):
+    progress = Stages("prepare", STAGES, verbose)
+    with progress.stage("locating GGUF"):
         source = _locate()
     if _is_prepared(target, source):
         progress.say(f"already prepared: {target}")
@@ -116,12 +124,12 @@ def prepare_default_model(verbose: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        with progress.stage(2, f"dequantizing GGUF {source.file.name}"):
+        with progress.stage(f"dequantizing GGUF {source.file.name}"):
             model, tokenizer = _load_gguf(source)
-        with progress.stage(3, f"saving float32 safetensors to {tmp.name}"):
+        with progress.stage(f"saving float32 safetensors to {tmp.name}"):
             _save(model, tokenizer, tmp)
         del model
-        with progress.stage(4, "verifying reload and greedy generation"):
+        with progress.stage("verifying reload and greedy generation"):
             reply = _verify(tmp, source)
         progress.say(f"sanity: {SANITY_PROMPT!r} -> {reply!r}")
         (tmp / MARKER).write_text(source.marker_text)
