@@ -14,7 +14,7 @@ from backend.engine.errors import InvalidRequestError
 from backend.engine.sampling import SamplingParams
 from backend.serving.protocol import (DTYPES, ENSEMBLE, INPUTS, LLM, LLM_BLS, MODELS, OUTPUTS, PREPROCESSING,
                                       inputs_of, outputs_of)
-from backend.serving.request import GenerationRequest, parse_request
+from backend.serving.request import GenerationRequest, parse_request, parse_text_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_REPO = REPO / "model_repository"
@@ -180,9 +180,12 @@ def test_every_input_is_parsed_or_consumed_before_the_llm():
     text_only = {t.name for t in INPUTS if LLM not in t.models}
     assert text_only == {"text_input", "apply_chat_template"}
     assert all(PREPROCESSING in t.models and LLM_BLS in t.models for t in INPUTS if t.name in text_only)
+    rows = {t.name: t for t in INPUTS}
+    text = Recording({name: _array(rows[name], EXAMPLE[rows[name].dtype]) for name in text_only})
+    parse_text_prompt(text)
+    assert text.asked >= text_only
     for model in (PREPROCESSING, LLM_BLS):
-        source = (MODEL_REPO / model / "1" / "model.py").read_text()
-        assert all(f'"{name}"' in source for name in text_only), model
+        assert "parse_text_prompt(" in (MODEL_REPO / model / "1" / "model.py").read_text(), model
 
 
 def test_absent_inputs_take_the_dataclass_defaults():
@@ -252,3 +255,19 @@ def test_invalid_utf8_names_the_field():
     inputs = {"input_ids": np.array([[5]], np.int32), "stop_words": np.array([[b"\xff"]], dtype=np.object_)}
     with pytest.raises(InvalidRequestError, match="^stop_words: not valid UTF-8"):
         parse_request(inputs, CharTokenizer(), (2,))
+
+
+def test_text_prompt_of_the_text_front_doors():
+    """preprocessing and llm_bls read text_input, apply_chat_template and stop with one parser."""
+    def arr(v):
+        return np.array([[v]], dtype=np.object_ if isinstance(v, bytes) else None)
+
+    prompt = parse_text_prompt({"text_input": arr(b"hi"), "apply_chat_template": arr(True)})
+    assert (prompt.text, prompt.apply_chat_template, prompt.stop) == ("hi", True, False)
+    assert parse_text_prompt({"stop": arr(True)}).stop  # a cancel needs no text
+    assert parse_text_prompt({"text_input": arr(b""), "stop": arr(True)}).text == ""
+    for inputs, message in (({}, "text_input: missing"), ({"text_input": arr(b"")}, "text_input: the text is empty"),
+                            ({"text_input": arr(b"\xff")}, "text_input: not valid UTF-8"),
+                            ({"text_input": np.array([[b"a", b"b"]], dtype=np.object_)}, "text_input: expected one")):
+        with pytest.raises(InvalidRequestError, match=message):
+            parse_text_prompt(inputs)

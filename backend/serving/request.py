@@ -21,7 +21,7 @@ import numpy as np
 
 from backend.engine.errors import InvalidRequestError
 from backend.engine.sampling import SamplingParams
-from backend.serving.protocol import LLM, TensorSpec, inputs_of
+from backend.serving.protocol import LLM, PREPROCESSING, TensorSpec, inputs_of
 
 LLM_INPUTS = inputs_of(LLM)
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
@@ -111,14 +111,27 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
     return GenerationRequest(prompt_token_ids=prompt, params=params, **given)
 
 
-def parse_text(text_input: np.ndarray | None, allow_empty: bool = False) -> str:
-    """The `text_input` string of a request: present, valid UTF-8, not empty (unless the request is a `stop`)."""
-    if text_input is None:
+@dataclass(frozen=True)
+class TextPrompt:
+    """What the text front doors (preprocessing, llm_bls) read before the llm: the prompt and two flags."""
+
+    text: str
+    apply_chat_template: bool = False
+    stop: bool = False  # a TensorRT-LLM cancel: no text needed
+
+
+TEXT_INPUTS = {t.name: t for t in inputs_of(PREPROCESSING)}
+
+
+def parse_text_prompt(inputs: Mapping[str, np.ndarray | None]) -> TextPrompt:
+    """`text_input` (present, one valid UTF-8 string, not empty unless the request is a `stop`) and the flags."""
+    flags = {name: _read(TEXT_INPUTS[name], inputs[name]) for name in ("apply_chat_template", "stop")
+             if inputs.get(name) is not None}
+    if inputs.get("text_input") is None:
+        if flags.get("stop"):
+            return TextPrompt("", **flags)
         raise InvalidRequestError("text_input", "missing")
-    flat = np.asarray(text_input).reshape(-1)
-    if flat.size != 1:
-        raise InvalidRequestError("text_input", f"expected one string, got shape {list(np.shape(text_input))}")
-    text = _text("text_input", flat[0])
-    if not text and not allow_empty:
+    text = _read(TEXT_INPUTS["text_input"], inputs["text_input"])
+    if not text and not flags.get("stop"):
         raise InvalidRequestError("text_input", "the text is empty")
-    return text
+    return TextPrompt(text, **flags)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from backend.serving.detokenize import IncrementalDetokenizer
 from backend.engine.sampling import SamplingParams
-from backend.serving.request import parse_text
+from backend.serving.request import parse_text_prompt
 from backend.engine.errors import InvalidRequestError
 from backend.serving.tokenizer import encode, load_tokenizer
 from backend.serving.model_store import resolve_model_dir
@@ -47,7 +47,8 @@ class TritonPythonModel:
 
         if not value("ignore_eos", True):
             raise InvalidRequestError("ignore_eos", "static_hf always generates max_tokens tokens")
-        text = parse_text(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy())
+        tensor = pb_utils.get_input_tensor_by_name(request, "text_input")
+        text = parse_text_prompt({"text_input": None if tensor is None else tensor.as_numpy()}).text
         prompt = encode(self.tokenizer, text, apply_chat_template=bool(value("apply_chat_template", False)))
         max_tokens = int(value("max_tokens", SamplingParams().max_tokens))
         if max_tokens < 1:

@@ -12,7 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.serving.detokenize import IncrementalDetokenizer
-from backend.serving.request import parse_text
+from backend.serving.request import parse_text_prompt
 from backend.serving.tokenizer import encode
 from backend.triton.glue import error_response, model_parameters, model_tokenizer, read_inputs
 
@@ -40,17 +40,15 @@ class TritonPythonModel:
         client_id = request.request_id()
         try:
             inputs = read_inputs(pb_utils, request, self.input_names)
-            stop = "stop" in inputs and bool(inputs["stop"].reshape(-1)[0])
-            text = parse_text(inputs.get("text_input"), allow_empty=stop)
-            if stop:
+            prompt = parse_text_prompt(inputs)
+            if prompt.stop:
                 with self.lock:
                     targets = list(self.active.get(client_id, ()))
                 for llm_id in targets:
                     self._stop(llm_id)
                 sender.send(_text_response("", {}), flags=FINAL)
                 return
-            chat = "apply_chat_template" in inputs and bool(inputs["apply_chat_template"].reshape(-1)[0])
-            ids = np.asarray(encode(self.tokenizer, text, apply_chat_template=chat), dtype=np.int32).reshape(1, -1)
+            ids = np.asarray(encode(self.tokenizer, prompt.text, prompt.apply_chat_template), dtype=np.int32).reshape(1, -1)
             self._generate(client_id, ids, inputs, sender)
         except Exception as err:  # noqa: BLE001 - this request's error; the model serves on
             sender.send(error_response(pb_utils, err), flags=FINAL)
