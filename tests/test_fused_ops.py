@@ -58,6 +58,14 @@ def test_rotary_in_place_on_qkv_views_equals_torch(dtype):
     close(qkv[:, :H * D].view(T, H, D), ref_q, dtype)  # written in place
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("width", [2 * 96, 2 * 101])  # whole vectors, and a row with a partial last vector
+def test_silu_mul_equals_torch(dtype, width):
+    torch.manual_seed(2)
+    gate_up = (4 * torch.randn(19, width)).to(dtype)  # large |x| too: exp(-|x|) must not overflow
+    close(KernelOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
+
+
 def test_bad_shapes_are_refused_by_the_op_name():
     with pytest.raises(RuntimeError, match="rms_norm: x"):
         torch.ops.llm_kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5)

@@ -9,6 +9,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,8 @@ inline vfloat fast_exp(vfloat x) {
 
 inline vfloat max(vfloat a, vfloat b) { return a > b ? a : b; }
 
+inline vfloat abs(vfloat a) { return a < 0.f ? -a : a; }
+
 inline vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof v);
@@ -71,6 +74,35 @@ inline vfloat load(const c10::Half* p) {
 }
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// float -> bfloat16 bits in the top half, rounded to nearest even as c10::BFloat16(float) does (NaN aside).
+inline vu32 bf16_bits(vfloat v) {
+  const vu32 bits = (vu32)v;
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+inline void store(c10::BFloat16* p, vfloat v) {
+  const vu16 raw = __builtin_convertvector(bf16_bits(v) >> 16, vu16);
+  std::memcpy(p, &raw, sizeof raw);
+}
+
+inline void store(c10::Half* p, vfloat v) {
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+
+// v rounded to the storage dtype and back, every lane (float: v itself).
+template <typename scalar_t>
+inline vfloat round_to(vfloat v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return (vfloat)bf16_bits(v);
+  } else {
+    scalar_t tmp[kLanes];
+    store(tmp, v);
+    return load(tmp);
+  }
+}
 
 inline float sum(vfloat v) {  // the lanes added in registers (a tree of shuffles and adds)
 #if defined(__AVX512F__)
