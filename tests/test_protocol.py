@@ -203,7 +203,7 @@ def test_sampling_inputs_set_the_fields_of_their_name():
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (9, 0.5, 4, 0.5, 11)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.5, 0.5, 0.25)
     assert p.min_tokens == 2
-    assert p.logprobs and req.return_log_probs
+    assert p.logprobs
 
 
 def test_request_inputs():

@@ -1,6 +1,6 @@
 """The flat, ragged batch every runner consumes.
 
-The contract (DESIGN.md): token_ids[T], positions[T], slot_mapping[T], query_start[S+1],
+The runner contract (runners/base.py): token_ids[T], positions[T], slot_mapping[T], query_start[S+1],
 context_lens[S], block_tables[S, B]. From these we also derive, on the host and cheaply, the index
 tensors that place tokens into attention rows (see models/llama.py), so that the compiled graph has
 only input-defined shapes.

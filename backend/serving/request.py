@@ -37,7 +37,6 @@ class GenerationRequest:
     tenant: str | None = None
     stop_strings: list[str] = field(default_factory=list)
     exclude_input_in_output: bool = True
-    return_log_probs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_finish_reason: bool = False
@@ -100,7 +99,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         given["tenant"] = given["tenant"] or None
     sampling = {name: given.pop(name) for name in SAMPLING_FIELDS if name in given}
     if "return_log_probs" in given:
-        sampling["logprobs"] = given["return_log_probs"]
+        sampling["logprobs"] = given.pop("return_log_probs")
 
     params = SamplingParams(
         **sampling,

@@ -46,7 +46,7 @@ class ResponseBuilder:
             "context_ids": _row(context, np.int32),
             "is_final": _row([out.finished], np.bool_),
         }
-        if req.return_log_probs:
+        if req.params.logprobs:
             tensors["output_log_probs"] = _row(new_logprobs, np.float32)
             tensors["cum_log_probs"] = _row([sum(self.logprobs)], np.float32)
         if req.return_num_input_tokens:
