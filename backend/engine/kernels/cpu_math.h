@@ -148,4 +148,15 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<scalar_t>(x));
 }
 
+// f(scalar_t{}) for the tensor's storage dtype.
+template <typename F>
+void dispatch(const at::Tensor& t, const char* op, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only, not ", t.scalar_type());
+  }
+}
+
 }  // namespace llm_kernels

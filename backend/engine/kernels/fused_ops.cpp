@@ -1,6 +1,6 @@
 // The elementwise work around a step's GEMMs, fused: one pass over memory instead of one per torch op
-// (RMSNorm alone is six: float copy, pow, mean, add, rsqrt, two muls; rotary is six more; SiLU * up two). Each op rounds to the storage dtype
-// where the torch ops it replaces do (models/llama.py, the reference the exported graph runs), so float32
+// (RMSNorm alone is six: float copy, pow, mean, add, rsqrt, two muls; rotary is six more; SiLU * up two).
+// Each op rounds to the storage dtype where the torch ops it replaces do (models/llama.py, the reference the exported graph runs), so float32
 // results differ only in the order of the sums; bfloat16 and float16 in those and the rounding of partial
 // sums that torch keeps in float32 too.
 
@@ -12,17 +12,6 @@
 namespace {
 
 using namespace llm_kernels;
-
-// f(scalar_t{}) for the tensor's storage dtype.
-template <typename F>
-void dispatch(const at::Tensor& t, const char* op, F&& f) {
-  switch (t.scalar_type()) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only, not ", t.scalar_type());
-  }
-}
 
 // One row: out = weight * round(x * rsqrt(mean(x^2) + eps)), as HF's LlamaRMSNorm.
 template <typename scalar_t>

@@ -97,10 +97,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
     if (j < n)
       for (int v = 0; v < V; ++v) acc[v] += scores[j] * load(values + offsets[j] + v * kLanes);
     const float inv = 1.f / total;
-    for (int v = 0; v < V; ++v) {
-      acc[v] = (acc[v] + acc1[v]) * inv;
-      for (int64_t i = 0; i < kLanes; ++i) out[h * D + v * kLanes + i] = static_cast<scalar_t>(acc[v][i]);
-    }
+    for (int v = 0; v < V; ++v) store(out + h * D + v * kLanes, (acc[v] + acc1[v]) * inv);
   }
 }
 
@@ -160,18 +157,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const auto bt = block_tables.contiguous(), qs = query_start.contiguous(), cl = context_lens.contiguous();
   auto out = at::empty_like(qc);
-  const auto run = [&](auto tag) {
+  dispatch(q, "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
     attend<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                      bt.data_ptr<int64_t>(), qs.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), cl.size(0), qc.size(0),
                      Shape{qc.size(1), kc.size(2), qc.size(2), kc.size(1), bt.size(1), 1, static_cast<float>(scale)});
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 only, not ", q.scalar_type());
-  }
+  });
   return out;
 }
 
