@@ -84,7 +84,8 @@ class Shape:
 
     @property
     def key(self) -> str:
-        return f"{self.out_features}x{self.in_features}"
+        """Its row of the cached table (after a dtype/threads prefix), e.g. `960x576/(16, 64, 256, 512)`."""
+        return f"{self.out_features}x{self.in_features}/{self.tokens}"
 
 
 def _seconds_per_token(gemm: Gemm, shape: Shape, dtype: torch.dtype) -> float:
@@ -137,22 +138,22 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     with _lock:
         table = json.loads(path.read_text()) if path.is_file() else {}
         prefix = f"{str(dtype).removeprefix('torch.')}/threads{torch.get_num_threads()}"
-        missing = [s for s in shapes if f"{prefix}/{s.key}/{s.tokens}" not in table]
+        missing = [s for s in shapes if f"{prefix}/{s.key}" not in table]
         if missing:
             log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
         for shape in missing:
             timings = measure(shape, dtype, names)
-            table[f"{prefix}/{shape.key}/{shape.tokens}"] = {
+            table[f"{prefix}/{shape.key}"] = {
                 "choice": min(timings, key=timings.get), "us_per_token": {k: v * 1e6 for k, v in timings.items()}}
         if missing:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
             tmp.replace(path)
-    chosen = {s: table[f"{prefix}/{s.key}/{s.tokens}"] for s in shapes}
+    chosen = {s: table[f"{prefix}/{s.key}"] for s in shapes}
     log.info("gemm tactics (%s, %d threads, us/token summed over token counts):\n%s", prefix.split("/")[0],
              torch.get_num_threads(), "\n".join(
-                 f"  {k.key:>12}: {v['choice']:<10} " + " ".join(f"{n}={t:.2f}" for n, t in v["us_per_token"].items())
+                 f"  {k.key:>30}: {v['choice']:<10} " + " ".join(f"{n}={t:.2f}" for n, t in v["us_per_token"].items())
                  for k, v in chosen.items()))
     return {k: v["choice"] for k, v in chosen.items()}
 
@@ -164,7 +165,7 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto") -
     shapes = {name: Shape(m.out_features, m.in_features, HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS)
               for name, m in linears.items()}
     dtype = next(iter(linears.values())).weight.dtype
-    chosen = choose(sorted(set(shapes.values()), key=lambda s: (s.key, s.tokens)), dtype, device, backend)
+    chosen = choose(sorted(set(shapes.values()), key=lambda s: s.key), dtype, device, backend)
     for name, linear in linears.items():
         tactic = chosen[shapes[name]]
         linear.gemm = TACTICS[tactic].prepare(linear.weight, linear.bias)
