@@ -9,7 +9,7 @@ from backend.engine import LLMEngine
 from backend.serving.engine_thread import EngineLoop, Submission
 from backend.serving.request import parse_request
 from backend.serving.tokenizer import load_tokenizer
-from backend.triton.config import engine_config_from_parameters
+from backend.serving.settings import engine_config_from_settings
 from backend.triton.glue import error_response, model_parameters, read_inputs
 from backend.triton.metrics import TritonMetrics
 from backend.triton.responses import ResponseBuilder
@@ -21,7 +21,7 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         self.input_names = [i["name"] for i in model_config["input"]]
-        config = engine_config_from_parameters(model_parameters(args))
+        config = engine_config_from_settings(model_parameters(args))
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         # built on the loop's thread, the one that runs its forwards (see backend/serving/engine_thread.py)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from backend.engine.config import EngineConfig, TenantQuota, setting_fields
-from backend.triton.config import engine_config_from_parameters, parse_tenant_quotas
+from backend.serving.settings import engine_config_from_settings, parse_tenant_quotas
 
 LLM_CONFIG = Path(__file__).resolve().parents[1] / "model_repository" / "llm" / "config.pbtxt"
 
 
 def test_parameters_reach_their_part_of_the_config(tiny_model_dir):
-    config = engine_config_from_parameters({
+    config = engine_config_from_settings({
         "model": str(tiny_model_dir), "max_num_seqs": "8", "block_size": "32", "enable_prefix_caching": "false",
         "num_kv_blocks": "none", "kv_cache_memory_gb": "0.5", "tenant_quotas": "gold=running:4,blocks:100; *=running:2",
     })
@@ -34,7 +34,7 @@ def test_parameters_reach_their_part_of_the_config(tiny_model_dir):
 ])
 def test_bad_parameters_name_the_key(tiny_model_dir, params, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        engine_config_from_parameters({"model": str(tiny_model_dir), **params})
+        engine_config_from_settings({"model": str(tiny_model_dir), **params})
 
 
 def test_llm_config_pbtxt_sets_only_known_settings_with_the_code_defaults():

@@ -1,4 +1,4 @@
-"""The llm model's config.pbtxt `parameters` (strings) -> EngineConfig.
+"""Engine settings as strings (Triton's config.pbtxt `parameters`, the Dynamo worker's flags) -> EngineConfig.
 
 Every key is an engine setting (backend/engine/config.py), typed by its field; an unknown key or a value
 of the wrong kind is an error naming the key and what is allowed. `model` may be "default" (the model
@@ -20,7 +20,7 @@ from backend.serving.model_store import resolve_model_dir
 QUOTA_FIELDS = {"running": "max_running", "blocks": "max_blocks"}
 
 
-def engine_config_from_parameters(params: dict[str, str]) -> EngineConfig:
+def engine_config_from_settings(params: dict[str, str]) -> EngineConfig:
     fields = setting_fields()
     settings: dict[str, Any] = {}
     for key, text in params.items():
