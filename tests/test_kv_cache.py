@@ -3,6 +3,7 @@
 import pytest
 
 from backend.engine.kv_cache import BlockPool, KVCacheManager, chain_hash
+from backend.engine.kv_events import BlockRemoved, BlockStored
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
 
@@ -30,7 +31,7 @@ def test_cached_free_block_is_reused_by_hash_and_evicted_when_reallocated():
     pool = BlockPool(2)
     [b] = pool.allocate(1)
     h = chain_hash(b"", [1, 2, 3])
-    pool.register(b, h)
+    pool.register(b, h, None, [1, 2, 3])
     pool.release([b])
     assert pool.lookup(h) == b  # still cached while free
     pool.touch([b])  # a prefix hit takes it out of the free queue
@@ -44,7 +45,7 @@ def test_eviction_takes_least_recently_freed_first():
     pool = BlockPool(3)
     ids = pool.allocate(3)
     for i, b in enumerate(ids):
-        pool.register(b, chain_hash(b"", [i]))
+        pool.register(b, chain_hash(b"", [i]), None, [i])
     pool.release([ids[1]])
     pool.release([ids[0]])
     pool.release([ids[2]])
@@ -99,3 +100,29 @@ def test_prefix_caching_off_never_hits():
     kv.cache_computed_blocks(a)
     assert kv.find_cached_prefix(make_seq("b", list(range(8)))) == []
     assert kv.num_cached_blocks == 0
+
+
+def test_kv_events_follow_stores_and_evictions_in_order():
+    kv = KVCacheManager(num_blocks=3, block_size=2, enable_kv_events=True)
+    a = make_seq("a", [1, 2, 3, 4, 5])
+    assert kv.allocate(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)  # two full blocks: [1, 2] and [3, 4]; [5] is not full
+    h1, h2 = a.block_hashes[:2]
+    assert kv.take_events() == [BlockStored(h1, None, (1, 2)), BlockStored(h2, h1, (3, 4))]
+    assert kv.take_events() == []  # drained
+    kv.free(a)  # freeing keeps cached content: no event
+    assert kv.take_events() == []
+    b = make_seq("b", [7, 8, 9, 10, 11, 12])
+    assert kv.allocate(b, 6)  # 3 blocks: evicts both cached blocks, least recently freed first
+    assert kv.take_events() == [BlockRemoved(h2), BlockRemoved(h1)]
+    kv.free(b)
+
+
+def test_kv_events_are_off_by_default():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_seq("a", [1, 2, 3])
+    assert kv.allocate(a, 3)
+    a.num_computed_tokens = 3
+    kv.cache_computed_blocks(a)
+    assert kv.take_events() == [] and kv.pool.events is None

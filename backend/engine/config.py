@@ -1,7 +1,7 @@
 """The engine's one settings object: EngineConfig, composed of the scheduler's and the KV cache's configs.
 
 Each setting has one default, here. The scheduler and the cache manager read their part by reference.
-Front doors build it from their own settings (config.pbtxt `parameters`: backend/triton/config.py) with
+Front doors build it from their own settings (strings: backend/serving/settings.py) with
 `EngineConfig.create`, which routes each flat key to the part that owns it; paths come in resolved.
 """
 
@@ -46,6 +46,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # else from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # record prefix-cache stores/evictions for a KV-aware router
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

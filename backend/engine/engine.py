@@ -72,7 +72,7 @@ class LLMEngine:
         self.model_config = model_cfg
         self.max_model_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings, num_blocks * cache.block_size)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.enable_kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, model_cfg.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # finals of aborted requests, sent by the next step

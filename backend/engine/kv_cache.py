@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from backend.engine.sequence import Sequence
 
 
@@ -44,12 +45,13 @@ class Block:
 class BlockPool:
     """Fixed set of blocks with ref counts; free blocks queue in LRU order and may still be cached."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, record_events: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id, for blocks in use and free alike
+        self.events: list[KVEvent] | None = [] if record_events else None
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +71,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict its cached content
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block.block_hash))
                 block.block_hash = None
             block.ref_count = 1
             ids.append(block_id)
@@ -95,11 +99,14 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
-    def register(self, block_id: int, block_hash: bytes) -> None:
+    def register(self, block_id: int, block_hash: bytes, parent_hash: bytes | None,
+                 token_ids: list[int]) -> None:
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
+            if self.events is not None:
+                self.events.append(BlockStored(block_hash, parent_hash, tuple(token_ids)))
 
 
 @dataclass
@@ -115,8 +122,9 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Gives sequences the blocks for the tokens they are about to compute."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_kv_events: bool = False):
+        self.pool = BlockPool(num_blocks, record_events=enable_kv_events and enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
@@ -198,9 +206,19 @@ class KVCacheManager:
         self._update_hashes(seq)
         start = self._num_registered.get(seq.request_id, 0)
         end = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        bs, tokens = self.block_size, seq.token_ids
         for i in range(start, end):
-            self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+            self.pool.register(seq.block_ids[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None,
+                               tokens[i * bs:(i + 1) * bs])
         self._num_registered[seq.request_id] = max(start, end)
+
+    def take_events(self) -> list[KVEvent]:
+        """The prefix-cache events since the last call, oldest first (empty unless enabled)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def free(self, seq: Sequence) -> None:
         """Release all of a sequence's blocks (finish, abort, preemption). Tail blocks are evicted first."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from backend.serving.detokenize import IncrementalDetokenizer
 from backend.engine.engine import EngineStats, LLMEngine, RequestOutput
 from backend.engine.errors import EngineDeadError
+from backend.engine.kv_events import KVEvent
 from backend.serving.request import GenerationRequest
 from backend.engine.sequence import FinishReason
 
@@ -61,6 +62,9 @@ class LoopObserver:
     def on_token_interval(self, seconds: float) -> None: ...
 
     def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None: ...
+
+    def on_kv_events(self, events: list[KVEvent]) -> None:
+        """Prefix-cache stores and evictions of one step, in order (only with `enable_kv_events`)."""
 
 
 class EngineLoop:
@@ -135,6 +139,8 @@ class EngineLoop:
                     outputs = self.engine.step()
                     for out in outputs:
                         self._dispatch(out)
+                    if events := self.engine.kv.take_events():
+                        self._outbox.put(functools.partial(self.observer.on_kv_events, events))
                     self._outbox.put(functools.partial(self.observer.on_step, self.engine.stats(),
                                                        time.monotonic() - start))
         except BaseException as err:  # noqa: BLE001 - a dead loop must be loud and fail its requests
