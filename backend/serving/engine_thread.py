@@ -57,6 +57,9 @@ class LoopObserver:
 
     def on_step(self, stats: EngineStats, step_seconds: float) -> None: ...
 
+    def on_idle(self, stats: EngineStats) -> None:
+        """The engine has no request left (the last one finished or was aborted between steps)."""
+
     def on_first_token(self, seconds: float) -> None: ...
 
     def on_token_interval(self, seconds: float) -> None: ...
@@ -130,11 +133,16 @@ class EngineLoop:
             return
         finally:
             self._built.set()
+        busy = False
         try:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 self._poll_cancellations()
+                if busy and not self.engine.has_unfinished():  # an abort frees blocks without a step
+                    busy = False
+                    self._outbox.put(functools.partial(self.observer.on_idle, self.engine.stats()))
                 if self.engine.has_unfinished():
+                    busy = True
                     start = time.monotonic()
                     outputs = self.engine.step()
                     for out in outputs:

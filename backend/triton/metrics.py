@@ -47,6 +47,13 @@ class TritonMetrics(LoopObserver):
         self._preemptions_seen = 0
 
     def on_step(self, s: EngineStats, step_seconds: float) -> None:
+        self.on_idle(s)
+        if s.last_step_tokens:
+            self.step_tokens.observe(s.last_step_tokens)
+            self.step_seconds.observe(step_seconds)
+
+    def on_idle(self, s: EngineStats) -> None:
+        """The gauges and the preemption counter (also after an abort that no step follows)."""
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         for state, value in (("total", s.kv_blocks_total), ("used", s.kv_blocks_used),
@@ -56,9 +63,6 @@ class TritonMetrics(LoopObserver):
         if s.num_preemptions > self._preemptions_seen:
             self.preemptions.increment(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
-        if s.last_step_tokens:
-            self.step_tokens.observe(s.last_step_tokens)
-            self.step_seconds.observe(step_seconds)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
