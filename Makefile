@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv model test test-slow serve clean
+.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo
 
 $(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,7 @@ venv: $(STAMP)
 model: venv
 	$(BIN)/python -m backend.serving.model_store
 
-test: model
+test: model dynamo-venv
 	$(BIN)/python -m pytest -q
 
 test-slow: model
@@ -30,8 +30,18 @@ test-slow: model
 serve: model
 	$(BIN)/python -m backend.triton.launcher --model-repository model_repository
 
+# NVIDIA Dynamo in its own venv (.venv-dynamo, ~1 min): the frontend (OpenAI API on :8080, KV-aware router)
+# and WORKERS engine workers on this host. Engine settings for every worker: WORKER_ARGS="--max-num-seqs 32".
+WORKERS ?= 2
+WORKER_ARGS ?=
+dynamo-venv:
+	bash scripts/dynamo_env.sh
+
+serve-dynamo: model dynamo-venv
+	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) -- $(WORKER_ARGS)
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .venv-dynamo .cache
 
 # ---- load test (issue 5): locust against a RUNNING server (start one with `make serve`) ----
 # make load [LOAD_HOST=127.0.0.1:8001] [LOAD_METRICS=http://127.0.0.1:8002/metrics] [LOAD_USERS=32]

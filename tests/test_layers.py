@@ -12,7 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FRONT_DOORS = ("triton_python_backend_utils", "tritonclient", "dynamo", "build_engine", "client", "load_tests")
 # each package may import itself and the ones after it; nothing in backend/ imports build_engine, client, tests
-LAYERS = ("backend.triton", "backend.serving", "backend.engine")
+LAYERS = ("backend.dynamo", "backend.triton", "backend.serving", "backend.engine")
+DOORS = ("backend.dynamo", "backend.triton")  # siblings: neither imports the other
 
 
 def test_the_engine_core_imports_alone_and_runs():
@@ -45,4 +46,11 @@ def test_no_import_points_up(layer):
     folder = REPO / layer.replace(".", "/")
     wrong = [(str(f.relative_to(REPO)), name) for f in folder.rglob("*.py") for name in _imports(f)
              if name.startswith(higher) or name.split(".")[0] in ("build_engine", "client", "load_tests", "tests")]
+    assert wrong == []
+
+
+def test_front_doors_do_not_import_each_other():
+    wrong = [(str(f.relative_to(REPO)), name) for door in DOORS
+             for f in (REPO / door.replace(".", "/")).rglob("*.py") for name in _imports(f)
+             if name.startswith(tuple(d for d in DOORS if d != door))]
     assert wrong == []

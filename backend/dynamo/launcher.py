@@ -1,0 +1,193 @@
+"""`make serve-dynamo`: Dynamo's frontend (OpenAI API, KV-aware router) and N engine workers on one host.
+
+File discovery in a fresh folder, no etcd or NATS; every plane on 127.0.0.1. The model folder is
+prepared once, before the workers start. Each worker gets an equal share of the CPU's threads. The
+launcher prints when the endpoint is ready, says which worker died if one does (the frontend drops a
+worker whose discovery entry goes with it and routes to the others), and stops everything on Ctrl-C.
+
+    python -m backend.dynamo.launcher --workers 2 --http-port 8080 [-- --max-num-seqs 32 ...]
+
+Arguments after `--` go to every worker (engine settings: python -m backend.dynamo.worker --help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backend.serving.model_store import MODEL_NAME, resolve_model_dir
+
+ROUTER_MODES = ("kv", "round-robin", "random")
+
+
+@dataclass
+class Cluster:
+    """Processes started by `start`; `stop` ends them all (SIGTERM, then SIGKILL after `grace` seconds)."""
+
+    frontend: subprocess.Popen
+    workers: list[subprocess.Popen]
+    log_dir: Path
+    url: str
+    logs: list[Path] = field(default_factory=list)
+
+    def stop(self, grace: float = 10.0) -> None:
+        procs = [*self.workers, self.frontend]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def environment(discovery_dir: Path, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(discovery_dir),
+        "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
+        "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+        "DYN_SELF_HOST_METADATA": "0",  # one host: the model card is read from the shared discovery folder
+        "OMP_NUM_THREADS": str(threads),
+    })
+    return env
+
+
+def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", model: str = "default",
+          served_model_name: str = MODEL_NAME, worker_args: tuple[str, ...] = (), log_dir: Path | None = None,
+          threads_per_worker: int | None = None, python: str = sys.executable) -> Cluster:
+    """Start the frontend and `workers` workers; returns once the model is served by all of them.
+
+    `python` is .venv-dynamo's interpreter (the launcher itself imports nothing from Dynamo, so tests
+    start a cluster from the main venv). Worker i serves its metrics on 127.0.0.1:`http_port + 1 + i`.
+    """
+    if router_mode not in ROUTER_MODES:
+        raise ValueError(f"router_mode: expected one of {ROUTER_MODES}, got {router_mode!r}")
+    if port_in_use("127.0.0.1", http_port):
+        raise RuntimeError(f"http_port: 127.0.0.1:{http_port} is in use (another server? pick --http-port)")
+    model_dir = resolve_model_dir(model)  # once, before N workers would each prepare it
+    run_dir = Path(tempfile.mkdtemp(prefix="serve-dynamo-"))
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    env = environment(run_dir / "discovery", threads)
+    log_dir = log_dir or run_dir
+
+    def spawn(name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
+        log = log_dir / f"{name}.log"
+        cluster_logs.append(log)
+        return subprocess.Popen([python, "-m", *argv], env={**env, **extra_env}, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    cluster_logs: list[Path] = []
+    # --migration-limit: a request whose worker dies mid-stream continues on another worker
+    frontend = spawn("frontend", ["dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(http_port),
+                                  "--router-mode", router_mode, "--discovery-backend", "file",
+                                  "--migration-limit", "3"])
+    procs = [spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir),
+                                  "--served-model-name", served_model_name, *worker_args],
+                   DYN_SYSTEM_PORT=str(http_port + 1 + i))
+             for i in range(workers)]
+    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", cluster_logs)
+    try:
+        wait_ready(cluster, served_model_name, workers)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def serving_workers(url: str) -> int:
+    """Workers the frontend knows for the generate endpoint (its /health lists discovery's instances)."""
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        health = json.load(r)
+    return sum(1 for i in health.get("instances", []) if i.get("endpoint") == "generate")
+
+
+def wait_ready(cluster: Cluster, model: str, workers: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, p in [("frontend", cluster.frontend), *((f"worker{i}", w) for i, w in enumerate(cluster.workers))]:
+            if p.poll() is not None:
+                log = next((f for f in cluster.logs if f.stem == name), None)
+                tail = log.read_text()[-3000:] if log and log.exists() else ""
+                raise RuntimeError(f"{name} exited with code {p.returncode} before the cluster was ready; "
+                                   f"its log ({log}) ends:\n{tail}")
+        try:
+            with urllib.request.urlopen(cluster.url + "/v1/models", timeout=5) as r:
+                served = [m["id"] for m in json.load(r)["data"]]
+            if model in served and serving_workers(cluster.url) >= workers:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the cluster was not ready within {timeout:.0f} s (logs in {cluster.log_dir})")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    worker_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, worker_args = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", 2)))
+    p.add_argument("--http-port", type=int, default=8080)
+    p.add_argument("--router-mode", default="kv", choices=ROUTER_MODES)
+    p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
+    p.add_argument("--served-model-name", default=MODEL_NAME)
+    args = p.parse_args(argv)
+    print(f"starting the frontend ({args.router_mode} router) and {args.workers} workers ...", flush=True)
+    try:
+        cluster = start(args.workers, args.http_port, args.router_mode, args.model, args.served_model_name,
+                        tuple(worker_args))
+    except (RuntimeError, ValueError, TimeoutError) as err:
+        sys.exit(f"serve-dynamo: {err}")
+    print(f"ready: OpenAI API on {cluster.url}/v1 (model {args.served_model_name!r}, {args.workers} workers, "
+          f"their metrics on ports {args.http_port + 1}..{args.http_port + args.workers}); "
+          f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    alive = set(range(len(cluster.workers)))
+    try:
+        while cluster.frontend.poll() is None and alive:
+            for i in sorted(alive):
+                if cluster.workers[i].poll() is not None:
+                    alive.discard(i)
+                    print(f"worker{i} exited with code {cluster.workers[i].returncode} (log "
+                          f"{cluster.log_dir}/worker{i}.log); {len(alive)} still serving", flush=True)
+            time.sleep(1)
+        print("the frontend exited" if cluster.frontend.poll() is not None else "every worker exited", flush=True)
+        code = 1
+    except KeyboardInterrupt:
+        code = 0
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(sig, signal.SIG_IGN)
+    print("stopping ...", flush=True)
+    cluster.stop()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""What Dynamo's KV-aware router needs from a worker, fed from the engine thread's output thread.
+
+- KV events: each step's prefix-cache stores and evictions, in order. A run of stored blocks that
+  chain (each the parent of the next) goes out as one `publish_stored`. The router hashes the tokens
+  itself; our 128-bit chained hashes only name blocks, here cut to the signed 64 bits Dynamo takes.
+- Load: a snapshot of the KV pool after every step and when the engine goes idle (used blocks, total,
+  prefix-cache hit rate).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from backend.engine.engine import EngineStats
+from backend.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from backend.serving.engine_thread import LoopObserver
+
+LOG = logging.getLogger(__name__)
+
+
+def block_id64(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[:8], "little", signed=True)
+
+
+class RouterFeed(LoopObserver):
+    def __init__(self, snapshot_type: Any):
+        self.snapshot_type = snapshot_type  # dynamo.common.backend.publisher.ComponentSnapshot
+        self.kv_publisher: Any = None  # dynamo.llm.KvEventPublisher, once the worker hands it over
+        self.snapshots: Any = None  # the worker's SnapshotPublisher
+
+    def on_kv_events(self, events: list[KVEvent]) -> None:
+        if self.kv_publisher is None:
+            return
+        for group in _runs(events):
+            if isinstance(group[0], BlockRemoved):
+                self.kv_publisher.publish_removed([block_id64(e.block_hash) for e in group])
+                continue
+            parent = group[0].parent_hash
+            self.kv_publisher.publish_stored(
+                token_ids=[t for e in group for t in e.token_ids],
+                num_block_tokens=[len(e.token_ids) for e in group],
+                block_hashes=[block_id64(e.block_hash) for e in group],
+                parent_hash=None if parent is None else block_id64(parent))
+
+    def on_step(self, stats: EngineStats, step_seconds: float) -> None:
+        self.on_idle(stats)
+
+    def on_idle(self, stats: EngineStats) -> None:
+        if self.snapshots is None:
+            return
+        self.snapshots.publish(0, self.snapshot_type(
+            kv_used_blocks=stats.kv_blocks_used, kv_total_blocks=stats.kv_blocks_total,
+            gpu_cache_usage=stats.kv_blocks_used / stats.kv_blocks_total,
+            kv_cache_hit_rate=stats.prefix_cache_hit_rate, dp_rank=0))
+
+
+def _runs(events: list[KVEvent]) -> list[list[KVEvent]]:
+    """Consecutive removals together; consecutive stores together while each is the next one's parent."""
+    runs: list[list[KVEvent]] = []
+    for event in events:
+        last = runs[-1][-1] if runs else None
+        if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved):
+            runs[-1].append(event)
+        elif isinstance(event, BlockStored) and isinstance(last, BlockStored) and \
+                event.parent_hash == last.block_hash:
+            runs[-1].append(event)
+        else:
+            runs.append([event])
+    return runs

@@ -1,0 +1,68 @@
+"""Dynamo's preprocessed request (token ids + OpenAI sampling options) -> this engine's GenerationRequest.
+
+The frontend tokenizes, applies the chat template and sends `sampling_options`, `stop_conditions` and
+`output_options` (Dynamo's PreprocessedRequest). Each option either reaches SamplingParams or is refused
+with an InvalidRequestError naming the OpenAI field; none is silently dropped. Stop strings go to the
+engine thread, which ends generation on the token that completes one (the frontend also trims the text).
+With `ignore_eos` the frontend sends no stop strings at all (a benchmark run to max_tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from backend.engine.errors import InvalidRequestError
+from backend.engine.sampling import SamplingParams
+from backend.serving.request import GenerationRequest
+
+# sampling_options key -> SamplingParams field
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+            "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}
+# sampling options the engine does not implement, with the value that means "off"
+REFUSED = {"n": 1, "best_of": 1, "use_beam_search": False, "min_p": 0.0, "length_penalty": 1.0,
+           "guided_decoding": None}
+
+
+def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...],
+                       max_model_len: int) -> GenerationRequest:
+    prompt = list(request.get("token_ids") or [])
+    if not prompt:
+        raise InvalidRequestError("prompt", "the prompt is empty")
+    sampling = dict(request.get("sampling_options") or {})
+    stop = dict(request.get("stop_conditions") or {})
+    output = dict(request.get("output_options") or {})
+
+    params: dict[str, Any] = {}
+    for key, value in sampling.items():
+        if value is None:
+            continue
+        if key in SAMPLING:
+            params[SAMPLING[key]] = 0 if key == "top_k" and value == -1 else value  # -1: vLLM's "off"
+        elif key in REFUSED:
+            if value != REFUSED[key]:
+                raise InvalidRequestError(key, f"not supported by this engine (got {value!r})")
+        # other keys (e.g. include_stop_str_in_output) concern the frontend's text, not the engine
+    if stop.get("max_thinking_tokens") is not None:
+        raise InvalidRequestError("max_thinking_tokens", "not supported by this engine")
+
+    max_tokens = stop.get("max_tokens")
+    params["max_tokens"] = max(1, max_model_len - len(prompt)) if max_tokens is None else max_tokens
+    if stop.get("min_tokens") is not None:
+        params["min_tokens"] = stop["min_tokens"]
+    extra_stop_ids = [t for key in ("stop_token_ids", "stop_token_ids_visible", "stop_token_ids_hidden")
+                      for t in stop.get(key) or ()]
+    eos = () if stop.get("ignore_eos") else eos_token_ids
+    params["stop_token_ids"] = tuple(dict.fromkeys([*eos, *extra_stop_ids]))
+
+    logprobs = output.get("logprobs")
+    if logprobs is not None and int(logprobs) > 0:
+        raise InvalidRequestError("top_logprobs", "only the sampled token's logprob is supported (top_logprobs 0)")
+    if output.get("prompt_logprobs"):
+        raise InvalidRequestError("prompt_logprobs", "not supported by this engine")
+    params["logprobs"] = logprobs is not None
+
+    # EOS is handled through stop_token_ids above (as the Triton door does), so the engine ignores its own
+    return GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(**params, ignore_eos=True),
+                             stop_strings=[s for s in stop.get("stop") or () if s])

@@ -1,0 +1,168 @@
+"""This engine as an NVIDIA Dynamo worker: token ids in, token ids out, over the same engine thread as
+Triton's `llm` model (backend/serving/engine_thread.py).
+
+Dynamo's frontend tokenizes, applies the chat template, detokenizes and trims stop strings; the worker
+turns its preprocessed request into a GenerationRequest (backend/dynamo/request.py), submits it to the
+engine thread and streams each step's new tokens back. It registers the model with the pool's block size
+and the context length, and feeds the KV-aware router (backend/dynamo/publisher.py). A client that goes
+away aborts the engine request, which frees its KV blocks.
+
+    python -m backend.dynamo.worker --model default --served-model-name SmolLM2-135M-Instruct
+
+Every engine setting is a flag (`--max-num-seqs 64`, `--block-size 16`, ...), typed as in config.pbtxt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from dynamo.common.backend import EngineConfig as RegisteredModel
+from dynamo.common.backend import LlmRegistration, WorkerConfig
+from dynamo.common.backend import LLMEngine as DynamoEngine
+from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
+from dynamo.common.backend.run import run
+from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
+
+from backend.dynamo.publisher import RouterFeed
+from backend.dynamo.request import generation_request
+from backend.engine import LLMEngine
+from backend.engine.config import EngineConfig, setting_fields
+from backend.engine.errors import EngineDeadError, InvalidRequestError
+from backend.serving.engine_thread import EngineLoop, Submission
+from backend.serving.model_store import MODEL_NAME
+from backend.serving.settings import engine_config_from_settings
+from backend.serving.tokenizer import load_tokenizer
+
+LOG = logging.getLogger(__name__)
+
+
+class EngineWorker(DynamoEngine):
+    def __init__(self, config: EngineConfig, served_model_name: str):
+        self.config = config
+        self.served_model_name = served_model_name
+        self.feed = RouterFeed(ComponentSnapshot)
+        self.loop: EngineLoop | None = None
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[EngineWorker, WorkerConfig]:
+        args = parser().parse_args(argv)
+        settings = {name: value for name in setting_fields()
+                    if (value := getattr(args, name)) is not None}
+        settings["enable_kv_events"] = "true"
+        engine_config = engine_config_from_settings(settings)  # resolves the model folder
+        worker = cls(engine_config, args.served_model_name)
+        config = WorkerConfig(  # the frontend reads the tokenizer and chat template from `model_name`, a folder
+            namespace=args.namespace, component=args.component, endpoint="generate",
+            model_name=engine_config.model, served_model_name=args.served_model_name,
+            discovery_backend=args.discovery_backend, request_plane="tcp", event_plane=args.event_plane)
+        return worker, config
+
+    async def start(self, worker_id: int) -> RegisteredModel:
+        config = self.config
+        tokenizer = load_tokenizer(config.model)
+        # the loop thread builds the engine (see engine_thread.py); start() waits for it
+        self.loop = await asyncio.to_thread(EngineLoop(lambda: LLMEngine(config), tokenizer, self.feed).start)
+        engine = self.loop.engine
+        LOG.info("worker %s: %s engine on %s, %d KV blocks of %d, max_model_len %d", worker_id,
+                 config.runtime, config.model, engine.kv.num_blocks, config.cache.block_size, engine.max_model_len)
+        return RegisteredModel(
+            model=config.model, served_model_name=self.served_model_name,
+            llm=LlmRegistration(context_length=engine.max_model_len, kv_cache_block_size=config.cache.block_size,
+                                total_kv_blocks=engine.kv.num_blocks,
+                                max_num_seqs=config.scheduler.max_num_seqs,
+                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
+
+    async def kv_event_sources(self) -> list[PushSource]:
+        return [PushSource(on_ready=self._on_kv_publisher, dp_rank=0)]
+
+    def _on_kv_publisher(self, publisher: Any) -> None:
+        self.feed.kv_publisher = publisher
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self.feed.snapshots = publisher
+
+    async def generate(self, request: dict, context: Any) -> AsyncGenerator[dict, None]:
+        engine = self.loop.engine
+        try:
+            req = generation_request(request, engine.model_config.eos_token_ids, engine.max_model_len)
+        except InvalidRequestError as err:
+            raise InvalidArgument(str(err)) from None
+        aio = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def put(item: Any) -> None:  # called on the engine's output thread
+            aio.call_soon_threadsafe(outputs.put_nowait, item)
+
+        sub = Submission(client_id=context.id(), request=req, emit=put, fail=put, is_cancelled=context.is_stopped)
+        try:
+            self.loop.submit(sub)
+        except EngineDeadError as err:
+            raise EngineShutdown(str(err)) from None
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, Exception):
+                    finished = True
+                    raise _dynamo_error(out)
+                chunk: dict[str, Any] = {"token_ids": out.new_token_ids, "index": 0}
+                if req.params.logprobs:
+                    chunk["log_probs"] = out.new_logprobs
+                if out.finished:
+                    finished = True
+                    chunk["finish_reason"] = out.finish_reason
+                    chunk["completion_usage"] = {
+                        "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+                        "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+                yield chunk
+        finally:
+            if not finished:  # the stream was closed early (client gone): free the engine request
+                self.loop.stop_request(sub.client_id)
+
+    async def abort(self, context: Any) -> None:
+        if self.loop is not None:
+            self.loop.stop_request(context.id())
+
+    async def cleanup(self) -> None:
+        loop, self.loop = self.loop, None
+        self.feed.kv_publisher = self.feed.snapshots = None
+        if loop is not None:
+            await asyncio.to_thread(loop.shutdown)
+
+
+def _dynamo_error(err: Exception) -> Exception:
+    if isinstance(err, InvalidRequestError):
+        return InvalidArgument(str(err))
+    if isinstance(err, EngineDeadError):
+        return EngineShutdown(str(err))
+    return Unknown(f"{type(err).__name__}: {err}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="This engine as a Dynamo worker (token ids in, token ids out).")
+    p.add_argument("--served-model-name", default=MODEL_NAME, help="the name clients ask for")
+    p.add_argument("--namespace", default="dynamo")
+    p.add_argument("--component", default="backend")
+    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "kubernetes"],
+                   help="file: one host, no etcd/NATS (DYN_FILE_KV names the folder)")
+    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
+    engine = p.add_argument_group("engine settings (as in config.pbtxt; defaults in backend/engine/config.py)")
+    for name, field in setting_fields().items():
+        engine.add_argument("--" + name.replace("_", "-"), dest=name, metavar=str(field.type).split(" |")[0].upper(),
+                            help="default: model store's SmolLM2" if name == "model" else None)
+    return p
+
+
+def main() -> None:
+    run(EngineWorker)
+
+
+if __name__ == "__main__":
+    main()

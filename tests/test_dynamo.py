@@ -1,0 +1,181 @@
+"""The engine as NVIDIA Dynamo workers: a real frontend (OpenAI API, KV-aware router) and two real worker
+processes from .venv-dynamo (`make dynamo-venv`), serving the tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import random
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from backend.dynamo import launcher
+from backend.serving.tokenizer import load_tokenizer
+from tests.reference import hf_greedy
+
+REPO = Path(__file__).resolve().parents[1]
+DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
+MODEL = "tiny"
+WORKERS = 2
+IGNORE_EOS = {"ignore_eos": True}  # run to max_tokens, as the HF reference does
+PROMPT = "The capital of France is"
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free (the frontend, then each worker's metrics; Dynamo takes a system port
+    as a signed 16-bit number, so below 32768)."""
+    for _ in range(50):
+        base = random.randrange(20000, 32000)
+        if not any(launcher.port_in_use("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    assert DYNAMO_PYTHON.exists(), "no .venv-dynamo: `make dynamo-venv` (make test builds it)"
+    port = _free_ports(WORKERS + 1)
+    c = launcher.start(workers=WORKERS, http_port=port, model=str(tiny_model_dir), served_model_name=MODEL,
+                       worker_args=("--num-kv-blocks", "256", "--max-num-seqs", "8"),
+                       log_dir=tmp_path_factory.mktemp("dynamo-logs"), threads_per_worker=1,
+                       python=str(DYNAMO_PYTHON))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> OpenAI:
+    return OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def _post(cluster, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(cluster.url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def _worker_metric(cluster, worker: int, name: str) -> float:
+    port = int(cluster.url.rsplit(":", 1)[1]) + 1 + worker
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+    assert values, f"worker{worker} exports no {name}"
+    return sum(values)
+
+
+def test_completion_greedy_equals_hf_streamed_or_not(client, tokenizer, tiny_model_dir):
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    [expected] = hf_greedy(tiny_model_dir, [prompt_ids], [12])
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
+    assert full.choices[0].text == tokenizer.decode(expected)
+    assert full.choices[0].finish_reason == "length"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt_ids), 12)
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       extra_body=IGNORE_EOS)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
+
+
+def test_chat_completion_streams_the_same_text_with_usage(client, tokenizer):
+    messages = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                          extra_body=IGNORE_EOS)
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt_ids), 10)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=IGNORE_EOS))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_seeded_sampling_repeats_and_greedy_is_deterministic(client):
+    def text(**kw):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, extra_body=IGNORE_EOS,
+                                         **kw).choices[0].text
+
+    assert text(temperature=1.0, seed=7) == text(temperature=1.0, seed=7)
+    assert text(temperature=1.0, top_p=0.9, seed=7) != text(temperature=0)  # 16 random tokens: a tie is ~0
+    assert text(temperature=0) == text(temperature=0)
+
+
+def test_stop_string_ends_the_output_before_it(client):
+    # no ignore_eos here: with it, Dynamo's frontend drops stop strings (a benchmark runs to max_tokens)
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert stop.strip(), f"no usable stop string in {free!r}"
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    stop=[stop]).choices[0]
+    assert (out.text, out.finish_reason) == (free[:free.index(stop)], "stop"), (free, stop)
+
+
+@pytest.mark.parametrize("field, body", [
+    ("n", {"n": 2}),
+    ("min_p", {"min_p": 0.5}),
+    ("top_logprobs", {"logprobs": 3}),
+    ("top_p", {"top_p": 0.0}),
+])
+def test_bad_request_is_a_4xx_naming_the_field_and_the_next_is_served(cluster, client, field, body):
+    code, err = _post(cluster, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **body})
+    assert 400 <= code < 500, (code, err)
+    assert field in json.dumps(err).lower(), err
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).choices[0].text is not None
+
+
+def test_client_disconnect_frees_the_workers_kv(cluster, client):
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=900, temperature=0, stream=True,
+                                       extra_body=IGNORE_EOS)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    busy = sum(_worker_metric(cluster, w, "dynamo_component_gpu_cache_usage_percent") for w in range(WORKERS))
+    assert busy > 0, "the request held no KV blocks while streaming"
+    stream.close()  # the client goes away
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        used = sum(_worker_metric(cluster, w, "dynamo_component_gpu_cache_usage_percent") for w in range(WORKERS))
+        if used == 0:
+            break
+        time.sleep(0.2)
+    assert used == 0, "the worker kept the disconnected request's KV blocks"
+
+
+def test_kv_router_sends_a_shared_prefix_to_the_worker_that_holds_it(cluster):
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    for doc in range(3):
+        prefix = " ".join(words[(doc * 7 + i * 3) % len(words)] for i in range(200))  # ~200 tokens, 12 blocks
+        served = []
+        for turn in range(4):
+            code, body = _post(cluster, "/v1/completions", {
+                "model": MODEL, "prompt": f"{prefix} question {turn}", "max_tokens": 2,
+                "nvext": {"extra_fields": ["worker_id", "timing"]}})
+            assert code == 200, body
+            served.append((body["nvext"]["worker_id"]["decode_worker_id"], body["nvext"]["timing"]["kv_hit_rate"]))
+        workers = {w for w, _ in served}
+        assert len(workers) == 1, f"prefix {doc} was spread over workers: {served}"
+        assert all(hit > 0.8 for _, hit in served[1:]), served
+
+
+def test_a_killed_worker_is_dropped_and_the_others_serve(cluster, client):
+    victim = cluster.workers[0]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+    texts = [client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=4).choices[0].text
+             for i in range(6)]
+    assert all(t is not None for t in texts)
