@@ -120,7 +120,8 @@ class EngineWorker(DynamoEngine):
                     chunk["finish_reason"] = out.finish_reason
                     chunk["completion_usage"] = {
                         "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-                        "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+                        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+                        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
                 yield chunk
         finally:
             if not finished:  # the stream was closed early (client gone): free the engine request

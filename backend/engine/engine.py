@@ -33,13 +33,15 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int  # of the prompt, reused from the prefix cache (OpenAI's usage.cached_tokens)
 
     @classmethod
     def of(cls, seq: Sequence, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
         return cls(request_id=seq.request_id, new_token_ids=tokens, new_logprobs=logprobs,
                    finished=seq.finish_reason is not None,
                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                   num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids))
+                   num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+                   num_cached_tokens=seq.num_cached_tokens)
 
 
 @dataclass

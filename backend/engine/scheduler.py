@@ -154,7 +154,8 @@ class Scheduler:
                 continue
             if not self.kv.allocate(seq, n, cached):
                 break
-            seq.num_computed_tokens += len(cached) * self.kv.block_size
+            seq.num_cached_tokens = len(cached) * self.kv.block_size
+            seq.num_computed_tokens += seq.num_cached_tokens
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -37,6 +37,7 @@ class Sequence:
     sampling_state: SamplingState = field(default_factory=SamplingState)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at (the last) admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
     status: Status = Status.WAITING

@@ -1,0 +1,53 @@
+"""Dynamo's preprocessed request -> GenerationRequest: every OpenAI option reaches SamplingParams or is refused
+by name (backend/dynamo/request.py; no Dynamo import needed)."""
+
+import pytest
+
+from backend.dynamo.request import generation_request
+from backend.engine.errors import InvalidRequestError
+
+EOS = (2,)
+
+
+def _request(sampling=None, stop=None, output=None, tokens=(5, 6, 7)):
+    return {"token_ids": list(tokens), "sampling_options": sampling or {}, "stop_conditions": stop or {},
+            "output_options": output or {}}
+
+
+def test_every_supported_option_reaches_sampling_params():
+    req = generation_request(_request(
+        sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3, "repetition_penalty": 1.1,
+                  "presence_penalty": 0.5, "frequency_penalty": 0.25, "n": 1, "min_p": None},
+        stop={"max_tokens": 20, "min_tokens": 2, "stop": ["\n\n"], "stop_token_ids": [9],
+              "stop_token_ids_hidden": [2]},
+        output={"logprobs": 0}), EOS, max_model_len=100)
+    p = req.params
+    assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.7, 0.9, 40, 3)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, 0.25)
+    assert (p.max_tokens, p.min_tokens, p.logprobs) == (20, 2, True)
+    assert p.stop_token_ids == (2, 9) and p.ignore_eos  # EOS travels as a stop token, as in the Triton door
+    assert req.stop_strings == ["\n\n"] and req.prompt_token_ids == [5, 6, 7]
+
+
+def test_defaults_fill_the_context_and_ignore_eos_drops_eos():
+    req = generation_request(_request(stop={"ignore_eos": True}, sampling={"top_k": -1}), EOS, max_model_len=100)
+    assert req.params.max_tokens == 97 and req.params.stop_token_ids == () and req.params.top_k == 0
+    assert not req.params.logprobs
+
+
+@pytest.mark.parametrize("field, request_", [
+    ("n", _request(sampling={"n": 3})),
+    ("best_of", _request(sampling={"best_of": 2})),
+    ("use_beam_search", _request(sampling={"use_beam_search": True})),
+    ("min_p", _request(sampling={"min_p": 0.1})),
+    ("length_penalty", _request(sampling={"length_penalty": 0.5})),
+    ("guided_decoding", _request(sampling={"guided_decoding": {"json": {}}})),
+    ("max_thinking_tokens", _request(stop={"max_thinking_tokens": 10})),
+    ("top_logprobs", _request(output={"logprobs": 5})),
+    ("prompt_logprobs", _request(output={"prompt_logprobs": 1})),
+    ("prompt", _request(tokens=())),
+])
+def test_unsupported_options_are_refused_by_name(field, request_):
+    with pytest.raises(InvalidRequestError) as err:
+        generation_request(request_, EOS, max_model_len=100)
+    assert err.value.field == field
