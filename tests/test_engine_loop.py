@@ -90,6 +90,28 @@ def test_client_cancellation_is_polled(loop):
     assert loop.engine.kv.num_used_blocks == 0
 
 
+def test_a_request_cancelled_twice_ends_once_and_the_loop_lives(loop):
+    """A client's cancel and a `stop` for the same request in one loop iteration (Dynamo sends both when a
+    client disconnects): the second must not abort a request the first already ended."""
+    for i in range(10):
+        cancelled, rec = threading.Event(), Recorder()
+        first = threading.Event()
+        req = GenerationRequest(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True), stream=True)
+
+        def emit(out, rec=rec, first=first):
+            rec.emit(out)
+            first.set()
+
+        loop.submit(Submission(f"c{i}", req, emit, rec.fail, is_cancelled=cancelled.is_set))
+        assert first.wait(30)
+        cancelled.set()
+        loop.stop_request(f"c{i}")
+        assert rec.done.wait(30) and rec.reasons == ["cancelled"] and rec.ends == 1
+        assert loop.alive, loop.error
+    time.sleep(0.2)
+    assert loop.engine.kv.num_used_blocks == 0 and loop.num_active == 0
+
+
 def test_stop_string_ends_generation(loop, tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     full = submit(loop, max_tokens=16)

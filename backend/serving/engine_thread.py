@@ -170,9 +170,15 @@ class EngineLoop:
             self._admit(payload)
         elif kind == "stop":
             for sub in [s for s in self._active.values() if s.client_id == payload]:
-                self.engine.abort(sub.engine_id)
-        elif kind == "abort" and payload in self.engine.requests:  # its output could not be sent
-            self.engine.abort(payload)
+                self._abort(sub.engine_id)
+        elif kind == "abort":  # its output could not be sent
+            self._abort(payload)
+
+    def _abort(self, engine_id: str) -> None:
+        """Abort once: a client's cancel, a `stop` and a failed send may all name the same request, and an
+        aborted request stays active until the next step delivers its final output."""
+        if engine_id in self.engine.requests:
+            self.engine.abort(engine_id)
 
     def _admit(self, sub: Submission) -> None:
         sub.engine_id = f"{sub.client_id}#{next(self._ids)}"
@@ -189,7 +195,7 @@ class EngineLoop:
     def _poll_cancellations(self) -> None:
         for sub in list(self._active.values()):
             if sub.is_cancelled():
-                self.engine.abort(sub.engine_id)
+                self._abort(sub.engine_id)
 
     def _dispatch(self, out: RequestOutput) -> None:
         sub = self._active.get(out.request_id)
