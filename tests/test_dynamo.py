@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import random
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -181,3 +182,14 @@ def test_a_killed_worker_is_dropped_and_the_others_serve(cluster, client):
     texts = [client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=4).choices[0].text
              for i in range(6)]
     assert all(t is not None for t in texts)
+
+
+def test_launcher_refuses_a_busy_port_and_a_missing_model_by_name(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"http_port: 127.0.0.1:{port} is in use"):
+            launcher.start(http_port=port, model=str(tmp_path), python=str(DYNAMO_PYTHON))
+    with pytest.raises(FileNotFoundError, match="model_dir: .* is not an HF model folder"):
+        launcher.start(http_port=_free_ports(3), model=str(tmp_path / "missing"), python=str(DYNAMO_PYTHON))

@@ -159,16 +159,16 @@ def main() -> None:
     p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
     p.add_argument("--served-model-name", default=MODEL_NAME)
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the cluster as Ctrl-C does
     print(f"starting the frontend ({args.router_mode} router) and {args.workers} workers ...", flush=True)
     try:
         cluster = start(args.workers, args.http_port, args.router_mode, args.model, args.served_model_name,
                         tuple(worker_args))
-    except (RuntimeError, ValueError, TimeoutError) as err:
+    except (RuntimeError, ValueError, OSError) as err:  # port in use, bad model folder, a process died, timeout
         sys.exit(f"serve-dynamo: {err}")
     print(f"ready: OpenAI API on {cluster.url}/v1 (model {args.served_model_name!r}, {args.workers} workers, "
           f"their metrics on ports {args.http_port + 1}..{args.http_port + args.workers}); "
           f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     alive = set(range(len(cluster.workers)))
     try:
         while cluster.frontend.poll() is None and alive:

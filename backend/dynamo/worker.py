@@ -14,9 +14,10 @@ Every engine setting is a flag (`--max-num-seqs 64`, `--block-size 16`, ...), ty
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -27,13 +28,13 @@ from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.common.backend.run import run
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
+from backend.dynamo.args import worker_parser
 from backend.dynamo.publisher import RouterFeed
 from backend.dynamo.request import generation_request
 from backend.engine import LLMEngine
 from backend.engine.config import EngineConfig, setting_fields
 from backend.engine.errors import EngineDeadError, InvalidRequestError
 from backend.serving.engine_thread import EngineLoop, Submission
-from backend.serving.model_store import MODEL_NAME
 from backend.serving.settings import engine_config_from_settings
 from backend.serving.tokenizer import load_tokenizer
 
@@ -46,10 +47,11 @@ class EngineWorker(DynamoEngine):
         self.served_model_name = served_model_name
         self.feed = RouterFeed(ComponentSnapshot)
         self.loop: EngineLoop | None = None
+        self._watchdog: asyncio.Task | None = None
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[EngineWorker, WorkerConfig]:
-        args = parser().parse_args(argv)
+        args = worker_parser().parse_args(argv)
         settings = {name: value for name in setting_fields()
                     if (value := getattr(args, name)) is not None}
         settings["enable_kv_events"] = "true"
@@ -67,6 +69,7 @@ class EngineWorker(DynamoEngine):
         # the loop thread builds the engine (see engine_thread.py); start() waits for it
         self.loop = await asyncio.to_thread(EngineLoop(lambda: LLMEngine(config), tokenizer, self.feed).start)
         engine = self.loop.engine
+        self._watchdog = asyncio.get_running_loop().create_task(self._stop_if_the_engine_dies())
         LOG.info("worker %s: %s engine on %s, %d KV blocks of %d, max_model_len %d", worker_id,
                  config.runtime, config.model, engine.kv.num_blocks, config.cache.block_size, engine.max_model_len)
         return RegisteredModel(
@@ -75,6 +78,15 @@ class EngineWorker(DynamoEngine):
                                 total_kv_blocks=engine.kv.num_blocks,
                                 max_num_seqs=config.scheduler.max_num_seqs,
                                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
+
+    async def _stop_if_the_engine_dies(self) -> None:
+        """A worker whose engine thread died must not stay registered: SIGTERM starts Dynamo's graceful
+        shutdown, which unregisters it, so the frontend routes elsewhere (and the launcher says so)."""
+        while self.loop is not None and self.loop.alive:
+            await asyncio.sleep(0.5)
+        if self.loop is not None:
+            LOG.error("the engine died (%r); stopping this worker", self.loop.error)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     async def kv_event_sources(self) -> list[PushSource]:
         return [PushSource(on_ready=self._on_kv_publisher, dp_rank=0)]
@@ -144,21 +156,6 @@ def _dynamo_error(err: Exception) -> Exception:
     if isinstance(err, EngineDeadError):
         return EngineShutdown(str(err))
     return Unknown(f"{type(err).__name__}: {err}")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="This engine as a Dynamo worker (token ids in, token ids out).")
-    p.add_argument("--served-model-name", default=MODEL_NAME, help="the name clients ask for")
-    p.add_argument("--namespace", default="dynamo")
-    p.add_argument("--component", default="backend")
-    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "kubernetes"],
-                   help="file: one host, no etcd/NATS (DYN_FILE_KV names the folder)")
-    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
-    engine = p.add_argument_group("engine settings (as in config.pbtxt; defaults in backend/engine/config.py)")
-    for name, field in setting_fields().items():
-        engine.add_argument("--" + name.replace("_", "-"), dest=name, metavar=str(field.type).split(" |")[0].upper(),
-                            help="default: model store's SmolLM2" if name == "model" else None)
-    return p
 
 
 def main() -> None:

@@ -1,0 +1,23 @@
+"""The Dynamo worker's command line (no Dynamo import: the compose checks parse it from the main venv)."""
+
+from __future__ import annotations
+
+import argparse
+
+from backend.engine.config import setting_fields
+from backend.serving.model_store import MODEL_NAME
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="This engine as a Dynamo worker (token ids in, token ids out).")
+    p.add_argument("--served-model-name", default=MODEL_NAME, help="the name clients ask for")
+    p.add_argument("--namespace", default="dynamo")
+    p.add_argument("--component", default="backend")
+    p.add_argument("--discovery-backend", default="file", choices=["file", "etcd", "kubernetes"],
+                   help="file: one host, no etcd/NATS (DYN_FILE_KV names the folder)")
+    p.add_argument("--event-plane", default="zmq", choices=["zmq", "nats"])
+    engine = p.add_argument_group("engine settings (as in config.pbtxt; defaults in backend/engine/config.py)")
+    for name, field in setting_fields().items():
+        engine.add_argument("--" + name.replace("_", "-"), dest=name, metavar=str(field.type).split(" |")[0].upper(),
+                            help="default: model store's SmolLM2" if name == "model" else None)
+    return p
