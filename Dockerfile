@@ -38,6 +38,9 @@ RUN python3 -m pip install "$(grep -E '^torch==' requirements.txt)" --index-url 
 COPY . .
 # The stub runs Python isolated (PYTHONPATH is ignored): an install makes `backend` importable by model.py.
 RUN python3 -m pip install --no-deps -e .
+# NVIDIA Dynamo (compose profile `dynamo`) in its own venv over this interpreter: the engine's packages are
+# shared, Dynamo stays out of the system site (scripts/dynamo_env.sh, as `make dynamo-venv` does).
+RUN DYNAMO_VENV=/opt/dynamo DYNAMO_SYSTEM_SITE=1 PY=python3 bash scripts/dynamo_env.sh
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 8080
 CMD ["python3", "-m", "backend.triton.launcher", "--model-repository", "/models/repository"]

@@ -21,8 +21,10 @@ import pytest
 import yaml
 
 import backend.triton.launcher
+from backend.dynamo.args import worker_parser
 
 REPO = Path(__file__).resolve().parents[1]
+DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
 # Files that other work in progress is writing: a check that needs a missing one is skipped, naming it.
 PENDING = {"load_tests/locustfile.py", "build_engine/__main__.py"}
 
@@ -206,8 +208,8 @@ def test_locust_services():
 
 def _referenced_files() -> list[str]:
     locustfiles = [_option(SERVICES[name]["command"], "-f") for name in ("locust-master", "locust-worker")]
-    contexts = {service["build"]["context"] for service in SERVICES.values()}
-    return sorted({*DOCKER_COPIED, *locustfiles, *contexts, ".dockerignore"})
+    contexts = {service["build"]["context"] for service in SERVICES.values() if "build" in service}
+    return sorted({*DOCKER_COPIED, *locustfiles, *contexts, ".dockerignore", "scripts/dynamo_env.sh"})
 
 
 @pytest.mark.parametrize("relpath", _referenced_files())
@@ -220,7 +222,8 @@ def _referenced_modules() -> list[tuple[str, bool]]:
     commands = [service["command"] for service in SERVICES.values()]
     commands += [yaml.safe_load(args) for instr, args in DOCKERFILE if instr == "CMD"]
     text = "\n".join(word for command in commands for word in command)
-    run = set(re.findall(r"(?<!\S)-m\s+([\w.]+)", text))
+    # Dynamo's own modules live in .venv-dynamo: test_dynamo_frontend_command_parses checks them there
+    run = {m for m in re.findall(r"(?<!\S)-m\s+([\w.]+)", text) if not m.startswith("dynamo.")}
     imported = {m for m in re.findall(r"from ([\w.]+) import", text)
                 if m.split(".")[0] in ("backend", "build_engine")}
     return sorted({(m, True) for m in run} | {(m, False) for m in imported - run})
@@ -270,3 +273,42 @@ def test_dockerfile_base_image_and_installs():
 def test_dockerignore_keeps_local_state_out():
     patterns = set((REPO / ".dockerignore").read_text().split())
     assert {".git", ".venv*", ".cache", "results", "**/__pycache__"} <= patterns
+
+
+DYNAMO_SERVICES = ("etcd", "nats", "dynamo-frontend", "dynamo-worker")
+
+
+def test_dynamo_profile_wiring():
+    frontend, worker = SERVICES["dynamo-frontend"], SERVICES["dynamo-worker"]
+    assert all(SERVICES[name]["profiles"] == ["dynamo"] for name in DYNAMO_SERVICES)
+    env = {"ETCD_ENDPOINTS": "http://etcd:2379", "NATS_SERVER": "nats://nats:4222"}
+    assert env.items() <= frontend["environment"].items() and env.items() <= worker["environment"].items()
+    assert "--listen-client-urls" in SERVICES["etcd"]["command"] and "-js" in SERVICES["nats"]["command"]
+    assert "8080:8080" in frontend["ports"]
+    assert frontend["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
+    # the frontend reads the tokenizer from the model folder the workers register: the same volume, same path
+    assert _mount("dynamo-frontend") == _mount("dynamo-worker") == (_mount("prepare")[0], False)
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]} in devices
+    assert int(worker["deploy"]["replicas"]) >= 1
+    for service in (frontend, worker):
+        assert service["command"][0] == "/opt/dynamo/bin/python"
+    assert "DYNAMO_VENV=/opt/dynamo DYNAMO_SYSTEM_SITE=1 PY=python3 bash scripts/dynamo_env.sh" in DOCKER_RUN
+
+
+def test_dynamo_worker_command_parses_and_serves_what_prepare_built():
+    args = worker_parser().parse_args(_module_args(SERVICES["dynamo-worker"]["command"], "backend.dynamo.worker"))
+    assert (args.discovery_backend, args.event_plane) == ("etcd", "nats")
+    build = _build_engine_args()
+    assert args.runtime == _option(build, "--runtime") and args.dtype == _option(build, "--dtype")
+    assert args.engine_dir == _option(build, "--output")
+
+
+def test_dynamo_frontend_command_parses():
+    """With Dynamo's own parser, in .venv-dynamo (`make dynamo-venv`; make test builds it)."""
+    assert DYNAMO_PYTHON.exists(), "no .venv-dynamo: `make dynamo-venv`"
+    args = _module_args(SERVICES["dynamo-frontend"]["command"], "dynamo.frontend")
+    code = "from dynamo.frontend.main import parse_args; c = parse_args()[0]; print(c.router_mode, c.discovery_backend)"
+    out = subprocess.run([str(DYNAMO_PYTHON), "-c", code, *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["kv", "etcd"]
