@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo
+.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo aiperf
 
 $(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,17 @@ dynamo-venv:
 
 serve-dynamo: model dynamo-venv
 	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) -- $(WORKER_ARGS)
+
+# NVIDIA AIPerf (own venv, .venv-aiperf) against a RUNNING `make serve-dynamo`: synthetic chat, 256 tokens in,
+# 64 out (EOS ignored), streaming; summary on stdout, artifacts in results/aiperf/.
+AIPERF_URL ?= 127.0.0.1:8080
+AIPERF_ARGS ?= --concurrency 4 --request-count 64
+aiperf: model
+	bash load_tests/aiperf_env.sh
+	.venv-aiperf/bin/aiperf profile -m SmolLM2-135M-Instruct --url $(AIPERF_URL) --endpoint-type chat --streaming \
+		--tokenizer "$$($(BIN)/python -c 'from backend.serving.model_store import default_model_dir; print(default_model_dir())')" \
+		--synthetic-input-tokens-mean 256 --synthetic-input-tokens-stddev 0 --output-tokens-mean 64 \
+		--output-tokens-stddev 0 --extra-inputs ignore_eos:true --random-seed 0 --artifact-dir results/aiperf $(AIPERF_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-dynamo .cache
