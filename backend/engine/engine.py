@@ -16,6 +16,7 @@ from backend.engine.batch import build_model_input
 from backend.engine.config import EngineConfig
 from backend.engine.errors import InvalidRequestError, UnknownRequestError
 from backend.engine.kv_cache import KVCacheManager, bytes_per_block
+from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
@@ -125,6 +126,24 @@ class LLMEngine:
             raise UnknownRequestError(request_id)
         self.scheduler.finish(seq, reason)
         return RequestOutput.of(seq, [], [])
+
+    def export_kv(self, token_ids: list[int]) -> ExportedKV:
+        """A copy of the K/V of the longest cached run of `token_ids`' full blocks (after a prefill ran them)."""
+        block_ids = self.kv.cached_prefix_blocks(token_ids)
+        return ExportedKV(len(block_ids) * self.kv.block_size, self.kv.block_size,
+                          read_blocks(self.runner.kv_cache, block_ids))
+
+    def import_kv(self, token_ids: list[int], kv: ExportedKV) -> int:
+        """Enter K/V exported by another engine for `token_ids`' leading full blocks into the prefix cache;
+        a request for these tokens then computes only the rest. Returns the tokens now cached."""
+        cache = self.runner.kv_cache
+        expected = (cache.shape[0], 2, kv.num_blocks, *cache.shape[3:])
+        if kv.block_size != self.kv.block_size or tuple(kv.data.shape) != expected or kv.data.dtype != cache.dtype:
+            raise InvalidRequestError("kv", f"blocks of shape {list(kv.data.shape)} {kv.data.dtype} do not fit this "
+                                            f"pool ({list(expected)} {cache.dtype}, block_size {self.kv.block_size})")
+        tokens = token_ids[:kv.num_tokens]
+        return self.kv.block_size * self.kv.import_prefix(
+            tokens, lambda positions, block_ids: write_blocks(cache, block_ids, kv.data[:, :, positions]))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._pending)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,14 @@ def chain_hash(parent: bytes, block_tokens: list[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(np.asarray(block_tokens, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = ()) -> list[bytes]:
+    """The chained hash of every full block of `token_ids`, extending the `known` leading ones."""
+    hashes = list(known)
+    for i in range(len(hashes), len(token_ids) // block_size):
+        hashes.append(chain_hash(hashes[i - 1] if i else b"", token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
 
 
 @dataclass
@@ -150,11 +159,8 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def _update_hashes(self, seq: Sequence) -> None:
-        bs = self.block_size
-        tokens = seq.token_ids
-        for i in range(len(seq.block_hashes), len(tokens) // bs):
-            parent = seq.block_hashes[i - 1] if i else b""
-            seq.block_hashes.append(chain_hash(parent, tokens[i * bs:(i + 1) * bs]))
+        if len(seq.block_hashes) < seq.num_tokens // self.block_size:
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has no blocks yet.
@@ -211,6 +217,40 @@ class KVCacheManager:
             self.pool.register(seq.block_ids[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None,
                                tokens[i * bs:(i + 1) * bs])
         self._num_registered[seq.request_id] = max(start, end)
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """The blocks holding the longest cached run of `token_ids`' full blocks, from the start."""
+        hits = []
+        for block_hash in block_hashes(token_ids, self.block_size) if self.enable_prefix_caching else ():
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def import_prefix(self, token_ids: list[int], write: Callable[[list[int], list[int]], None]) -> int:
+        """Enter the full blocks of `token_ids`, computed elsewhere, into the prefix cache. Blocks already
+        cached stay; the others are taken from the pool (as many as fit, from the start: a gap would cut the
+        chain), filled by `write(positions, block_ids)` and registered (KV events record them). No block stays
+        referenced: a request with this prefix then takes them as prefix-cache hits. Returns the blocks now
+        cached from the start."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, hashes = self.block_size, block_hashes(token_ids, self.block_size)
+        cached = [self.pool.lookup(h) for h in hashes]
+        held = [b for b in cached if b is not None]
+        self.pool.touch(held)  # so that taking new blocks cannot evict them
+        missing = [i for i, b in enumerate(cached) if b is None]
+        if len(missing) > self.pool.num_free:  # import up to the first block that does not fit
+            hashes = hashes[:missing[self.pool.num_free]]
+            missing = missing[:self.pool.num_free]
+        new = self.pool.allocate(len(missing))
+        if missing:
+            write(missing, new)
+        for i, block_id in zip(missing, new):
+            self.pool.register(block_id, hashes[i], hashes[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
+        self.pool.release(held + new)
+        return len(hashes)
 
     def take_events(self) -> list[KVEvent]:
         """The prefix-cache events since the last call, oldest first (empty unless enabled)."""

@@ -1,7 +1,9 @@
 """The runner contract: one forward over a flat batch, KV cache owned by the runner.
 
 `forward(batch)` returns float32 logits [S, vocab] (on the host) for the last token of each
-sequence and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`.
+sequence and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`. The cache,
+`kv_cache` [layers, 2, num_blocks, block_size, kv_heads, head_dim], is a torch tensor on every runtime, so
+blocks can be copied in and out of it (disaggregated prefill, backend/engine/kv_transfer.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Runner(Protocol):
     model_config: ModelConfig
     num_blocks: int
     block_size: int
+    kv_cache: torch.Tensor
 
     def forward(self, batch: ModelInput) -> torch.Tensor: ...
 
