@@ -33,6 +33,7 @@ from backend.serving.detokenize import IncrementalDetokenizer
 from backend.engine.engine import EngineStats, LLMEngine, RequestOutput
 from backend.engine.errors import EngineDeadError
 from backend.engine.kv_events import KVEvent
+from backend.engine.kv_transfer import ExportedKV
 from backend.serving.request import GenerationRequest
 from backend.engine.sequence import FinishReason
 
@@ -50,6 +51,8 @@ class Submission:
     engine_id: str = ""
     last_token_at: float | None = None  # for the inter-token latency metric
     detokenizer: IncrementalDetokenizer | None = None
+    # a prefill worker's hook: called (output thread) with the prompt's K/V before the final output
+    on_kv_export: Callable[[ExportedKV], None] | None = None
 
 
 class LoopObserver:
@@ -184,6 +187,8 @@ class EngineLoop:
         sub.engine_id = f"{sub.client_id}#{next(self._ids)}"
         req = sub.request
         try:
+            if req.kv is not None:  # a remote prefill's blocks: the request finds them as cached prefix
+                self.engine.import_kv(req.prompt_token_ids, req.kv)
             self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant)
         except Exception as err:  # noqa: BLE001 - invalid or overloaded: this request's error
             self._outbox.put(functools.partial(_safe_fail, sub, err))
@@ -215,6 +220,10 @@ class EngineLoop:
             del self._active[out.request_id]
             self._outbox.put(functools.partial(self.observer.on_finished, out.num_prompt_tokens,
                                                out.num_output_tokens))
+            if sub.on_kv_export is not None and out.finish_reason != FinishReason.CANCELLED.value:
+                # now, before any later step can evict the prompt's blocks from the prefix cache
+                kv = self.engine.export_kv(sub.request.prompt_token_ids)
+                self._outbox.put(functools.partial(sub.on_kv_export, kv))
         self._outbox.put(functools.partial(self._emit, sub, out))
 
     def _emit(self, sub: Submission, out: RequestOutput) -> None:

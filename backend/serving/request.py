@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from backend.engine.errors import InvalidRequestError
+from backend.engine.kv_transfer import ExportedKV
 from backend.engine.sampling import SamplingParams
 from backend.serving.protocol import LLM, PREPROCESSING, TensorSpec, inputs_of
 
@@ -40,6 +41,7 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_finish_reason: bool = False
+    kv: ExportedKV | None = None  # a remote prefill's blocks for this prompt (Dynamo decode worker)
 
 
 def _read(tensor: TensorSpec, arr: np.ndarray):
