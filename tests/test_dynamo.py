@@ -5,48 +5,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import random
 import socket
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
 from backend.dynamo import launcher
 from backend.serving.tokenizer import load_tokenizer
+from tests.dynamo_cluster import DYNAMO_PYTHON, MODEL, free_ports, post, start_cluster, wait_kv_free, worker_metric
 from tests.reference import hf_greedy
 
-REPO = Path(__file__).resolve().parents[1]
-DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
-MODEL = "tiny"
 WORKERS = 2
 IGNORE_EOS = {"ignore_eos": True}  # run to max_tokens, as the HF reference does
 PROMPT = "The capital of France is"
 
 
-def _free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free (the frontend, then each worker's metrics; Dynamo takes a system port
-    as a signed 16-bit number, so below 32768)."""
-    for _ in range(50):
-        base = random.randrange(20000, 32000)
-        if not any(launcher.port_in_use("127.0.0.1", base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free port range")
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    assert DYNAMO_PYTHON.exists(), "no .venv-dynamo: `make dynamo-venv` (make test builds it)"
-    port = _free_ports(WORKERS + 1)
-    c = launcher.start(workers=WORKERS, http_port=port, model=str(tiny_model_dir), served_model_name=MODEL,
-                       worker_args=("--num-kv-blocks", "256", "--max-num-seqs", "8"),
-                       log_dir=tmp_path_factory.mktemp("dynamo-logs"), threads_per_worker=1,
-                       python=str(DYNAMO_PYTHON))
+    c = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("dynamo-logs"), workers=WORKERS)
     yield c
     c.stop()
 
@@ -59,24 +36,6 @@ def client(cluster) -> OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
-
-
-def _post(cluster, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(cluster.url + path, json.dumps(body).encode(), {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
-
-
-def _worker_metric(cluster, worker: int, name: str) -> float:
-    port = int(cluster.url.rsplit(":", 1)[1]) + 1 + worker
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
-    assert values, f"worker{worker} exports no {name}"
-    return sum(values)
 
 
 def test_completion_greedy_equals_hf_streamed_or_not(client, tokenizer, tiny_model_dir):
@@ -133,7 +92,7 @@ def test_stop_string_ends_the_output_before_it(client):
     ("top_p", {"top_p": 0.0}),
 ])
 def test_bad_request_is_a_4xx_naming_the_field_and_the_next_is_served(cluster, client, field, body):
-    code, err = _post(cluster, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **body})
+    code, err = post(cluster, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **body})
     assert 400 <= code < 500, (code, err)
     assert field in json.dumps(err).lower(), err
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).choices[0].text is not None
@@ -145,16 +104,10 @@ def test_client_disconnect_frees_the_workers_kv(cluster, client):
     for i, _ in enumerate(stream):
         if i == 3:
             break
-    busy = sum(_worker_metric(cluster, w, "dynamo_component_gpu_cache_usage_percent") for w in range(WORKERS))
+    busy = sum(worker_metric(cluster, w, "dynamo_component_gpu_cache_usage_percent") for w in range(WORKERS))
     assert busy > 0, "the request held no KV blocks while streaming"
     stream.close()  # the client goes away
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        used = sum(_worker_metric(cluster, w, "dynamo_component_gpu_cache_usage_percent") for w in range(WORKERS))
-        if used == 0:
-            break
-        time.sleep(0.2)
-    assert used == 0, "the worker kept the disconnected request's KV blocks"
+    assert wait_kv_free(cluster, list(range(WORKERS))) == 0, "the worker kept the disconnected request's KV blocks"
 
 
 def test_kv_router_sends_a_shared_prefix_to_the_worker_that_holds_it(cluster):
@@ -163,7 +116,7 @@ def test_kv_router_sends_a_shared_prefix_to_the_worker_that_holds_it(cluster):
         prefix = " ".join(words[(doc * 7 + i * 3) % len(words)] for i in range(200))  # ~200 tokens, 12 blocks
         served = []
         for turn in range(4):
-            code, body = _post(cluster, "/v1/completions", {
+            code, body = post(cluster, "/v1/completions", {
                 "model": MODEL, "prompt": f"{prefix} question {turn}", "max_tokens": 2,
                 "nvext": {"extra_fields": ["worker_id"]}})
             assert code == 200, body
@@ -192,4 +145,4 @@ def test_launcher_refuses_a_busy_port_and_a_missing_model_by_name(tmp_path):
         with pytest.raises(RuntimeError, match=f"http_port: 127.0.0.1:{port} is in use"):
             launcher.start(http_port=port, model=str(tmp_path), python=str(DYNAMO_PYTHON))
     with pytest.raises(FileNotFoundError, match="model_dir: .* is not an HF model folder"):
-        launcher.start(http_port=_free_ports(3), model=str(tmp_path / "missing"), python=str(DYNAMO_PYTHON))
+        launcher.start(http_port=free_ports(3), model=str(tmp_path / "missing"), python=str(DYNAMO_PYTHON))

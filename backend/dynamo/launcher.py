@@ -79,19 +79,27 @@ def environment(discovery_dir: Path, threads: int) -> dict[str, str]:
 
 def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", model: str = "default",
           served_model_name: str = MODEL_NAME, worker_args: tuple[str, ...] = (), log_dir: Path | None = None,
-          threads_per_worker: int | None = None, python: str = sys.executable) -> Cluster:
-    """Start the frontend and `workers` workers; returns once the model is served by all of them.
+          threads_per_worker: int | None = None, python: str = sys.executable, prefill_workers: int = 0,
+          decode_workers: int = 0, conditional_disagg: str | None = None) -> Cluster:
+    """Start the frontend and `workers` workers (plus `prefill_workers` and `decode_workers` for the
+    disaggregated layout); returns once the model is served by all of them. `conditional_disagg` (JSON for
+    Dynamo's `--router-conditional-disagg-config`) turns on the router's rule for keeping a request on the
+    decode worker: with policy `isl_bounding`, when its uncached tokens on that worker are fewer than
+    `eff_isl_threshold` (default 2048) AND under `eff_isl_ratio_threshold` (0.7) of the prompt.
 
     `python` is .venv-dynamo's interpreter (the launcher itself imports nothing from Dynamo, so tests
     start a cluster from the main venv). Worker i serves its metrics on 127.0.0.1:`http_port + 1 + i`.
     """
     if router_mode not in ROUTER_MODES:
         raise ValueError(f"router_mode: expected one of {ROUTER_MODES}, got {router_mode!r}")
+    if (prefill_workers > 0) != (decode_workers > 0):
+        raise ValueError("prefill_workers, decode_workers: the disaggregated layout needs at least one of each")
+    roles = ["both"] * workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
     if port_in_use("127.0.0.1", http_port):
         raise RuntimeError(f"http_port: 127.0.0.1:{http_port} is in use (another server? pick --http-port)")
     model_dir = resolve_model_dir(model)  # once, before N workers would each prepare it
     run_dir = Path(tempfile.mkdtemp(prefix="serve-dynamo-"))
-    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
     env = environment(run_dir / "discovery", threads)
     log_dir = log_dir or run_dir
 
@@ -103,16 +111,18 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
 
     cluster_logs: list[Path] = []
     # --migration-limit: a request whose worker dies mid-stream continues on another worker
+    conditional = ["--router-conditional-disagg", "--router-conditional-disagg-config", conditional_disagg] \
+        if conditional_disagg else []
     frontend = spawn("frontend", ["dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(http_port),
                                   "--router-mode", router_mode, "--discovery-backend", "file",
-                                  "--migration-limit", "3"])
-    procs = [spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir),
+                                  "--migration-limit", "3", *conditional])
+    procs = [spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role,
                                   "--served-model-name", served_model_name, *worker_args],
                    DYN_SYSTEM_PORT=str(http_port + 1 + i))
-             for i in range(workers)]
+             for i, role in enumerate(roles)]
     cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", cluster_logs)
     try:
-        wait_ready(cluster, served_model_name, workers)
+        wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
         cluster.stop()
         raise
@@ -153,21 +163,32 @@ def main() -> None:
         cut = argv.index("--")
         argv, worker_args = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", 2)))
+    p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", 2)), help="aggregated workers")
+    p.add_argument("--prefill-workers", type=int, default=0, help="with --decode-workers: disaggregated layout")
+    p.add_argument("--decode-workers", type=int, default=0)
+    p.add_argument("--conditional-disagg", default=None, metavar="JSON",
+                   help='the router\'s conditional rule, e.g. \'{"policy": "isl_bounding", "eff_isl_threshold": 512}\': '
+                        'a request mostly cached on its decode worker is prefilled there (docs/dynamo.md)')
     p.add_argument("--http-port", type=int, default=8080)
     p.add_argument("--router-mode", default="kv", choices=ROUTER_MODES)
     p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
     p.add_argument("--served-model-name", default=MODEL_NAME)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the cluster as Ctrl-C does
-    print(f"starting the frontend ({args.router_mode} router) and {args.workers} workers ...", flush=True)
+    if args.prefill_workers or args.decode_workers:
+        args.workers = 0
+    layout = (f"{args.prefill_workers} prefill + {args.decode_workers} decode workers" if args.prefill_workers
+              else f"{args.workers} workers")
+    print(f"starting the frontend ({args.router_mode} router) and {layout} ...", flush=True)
     try:
         cluster = start(args.workers, args.http_port, args.router_mode, args.model, args.served_model_name,
-                        tuple(worker_args))
+                        tuple(worker_args), prefill_workers=args.prefill_workers,
+                        decode_workers=args.decode_workers, conditional_disagg=args.conditional_disagg)
     except (RuntimeError, ValueError, OSError) as err:  # port in use, bad model folder, a process died, timeout
         sys.exit(f"serve-dynamo: {err}")
-    print(f"ready: OpenAI API on {cluster.url}/v1 (model {args.served_model_name!r}, {args.workers} workers, "
-          f"their metrics on ports {args.http_port + 1}..{args.http_port + args.workers}); "
+    n = len(cluster.workers)
+    print(f"ready: OpenAI API on {cluster.url}/v1 (model {args.served_model_name!r}, {layout}, "
+          f"their metrics on ports {args.http_port + 1}..{args.http_port + n}); "
           f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
     alive = set(range(len(cluster.workers)))
     try:

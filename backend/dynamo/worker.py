@@ -25,10 +25,13 @@ from dynamo.common.backend import EngineConfig as RegisteredModel
 from dynamo.common.backend import LlmRegistration, WorkerConfig
 from dynamo.common.backend import LLMEngine as DynamoEngine
 from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
+from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.backend.run import run
+from dynamo.common.constants import DisaggregationMode
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from backend.dynamo.args import worker_parser
+from backend.dynamo.disagg import Disaggregation
 from backend.dynamo.publisher import RouterFeed
 from backend.dynamo.request import generation_request
 from backend.engine import LLMEngine
@@ -39,12 +42,15 @@ from backend.serving.settings import engine_config_from_settings
 from backend.serving.tokenizer import load_tokenizer
 
 LOG = logging.getLogger(__name__)
+MODES = {"both": DisaggregationMode.AGGREGATED, "prefill": DisaggregationMode.PREFILL,
+         "decode": DisaggregationMode.DECODE}
 
 
 class EngineWorker(DynamoEngine):
-    def __init__(self, config: EngineConfig, served_model_name: str):
+    def __init__(self, config: EngineConfig, served_model_name: str, disagg: Disaggregation):
         self.config = config
         self.served_model_name = served_model_name
+        self.disagg = disagg
         self.feed = RouterFeed(ComponentSnapshot)
         self.loop: EngineLoop | None = None
         self._watchdog: asyncio.Task | None = None
@@ -56,11 +62,12 @@ class EngineWorker(DynamoEngine):
                     if (value := getattr(args, name)) is not None}
         settings["enable_kv_events"] = "true"
         engine_config = engine_config_from_settings(settings)  # resolves the model folder
-        worker = cls(engine_config, args.served_model_name)
+        worker = cls(engine_config, args.served_model_name, Disaggregation(args.role, args.kv_host))
         config = WorkerConfig(  # the frontend reads the tokenizer and chat template from `model_name`, a folder
             namespace=args.namespace, component=args.component, endpoint="generate",
             model_name=engine_config.model, served_model_name=args.served_model_name,
-            discovery_backend=args.discovery_backend, request_plane="tcp", event_plane=args.event_plane)
+            discovery_backend=args.discovery_backend, request_plane="tcp", event_plane=args.event_plane,
+            disaggregation_mode=MODES[args.role])
         return worker, config
 
     async def start(self, worker_id: int) -> RegisteredModel:
@@ -69,6 +76,7 @@ class EngineWorker(DynamoEngine):
         # the loop thread builds the engine (see engine_thread.py); start() waits for it
         self.loop = await asyncio.to_thread(EngineLoop(lambda: LLMEngine(config), tokenizer, self.feed).start)
         engine = self.loop.engine
+        await self.disagg.start()
         self._watchdog = asyncio.get_running_loop().create_task(self._stop_if_the_engine_dies())
         LOG.info("worker %s: %s engine on %s, %d KV blocks of %d, max_model_len %d", worker_id,
                  config.runtime, config.model, engine.kv.num_blocks, config.cache.block_size, engine.max_model_len)
@@ -94,6 +102,9 @@ class EngineWorker(DynamoEngine):
     def _on_kv_publisher(self, publisher: Any) -> None:
         self.feed.kv_publisher = publisher
 
+    async def register_prometheus(self, metrics: Any) -> None:
+        register_engine_registry(metrics, self.disagg.registry)
+
     def component_metrics_dp_ranks(self) -> list[int]:
         return [0]
 
@@ -106,13 +117,15 @@ class EngineWorker(DynamoEngine):
             req = generation_request(request, engine.model_config.eos_token_ids, engine.max_model_len)
         except InvalidRequestError as err:
             raise InvalidArgument(str(err)) from None
+        req, export = await self.disagg.prepare(request, req)
         aio = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
         def put(item: Any) -> None:  # called on the engine's output thread
             aio.call_soon_threadsafe(outputs.put_nowait, item)
 
-        sub = Submission(client_id=context.id(), request=req, emit=put, fail=put, is_cancelled=context.is_stopped)
+        sub = Submission(client_id=context.id(), request=req, emit=put, fail=put, is_cancelled=context.is_stopped,
+                         on_kv_export=None if export is None else self.disagg.export_to(export))
         try:
             self.loop.submit(sub)
         except EngineDeadError as err:
@@ -134,6 +147,8 @@ class EngineWorker(DynamoEngine):
                         "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                         "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
                         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+                    if export is not None:  # a prefill's blocks, waiting for the decode worker (filled before this)
+                        chunk["disaggregated_params"] = export
                 yield chunk
         finally:
             if not finished:  # the stream was closed early (client gone): free the engine request
@@ -148,6 +163,7 @@ class EngineWorker(DynamoEngine):
         self.feed.kv_publisher = self.feed.snapshots = None
         if loop is not None:
             await asyncio.to_thread(loop.shutdown)
+        await self.disagg.close()
 
 
 def _dynamo_error(err: Exception) -> Exception:

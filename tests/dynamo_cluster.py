@@ -1,0 +1,64 @@
+"""Helpers for the tests that start a real Dynamo cluster (backend/dynamo/launcher.py) from .venv-dynamo."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from backend.dynamo import launcher
+
+REPO = Path(__file__).resolve().parents[1]
+DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
+MODEL = "tiny"
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free (the frontend, then each worker's metrics; Dynamo takes a system port
+    as a signed 16-bit number, so below 32768)."""
+    for _ in range(50):
+        base = random.randrange(20000, 32000)
+        if not any(launcher.port_in_use("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def start_cluster(model_dir: Path, log_dir: Path, **layout) -> launcher.Cluster:
+    assert DYNAMO_PYTHON.exists(), "no .venv-dynamo: `make dynamo-venv` (make test builds it)"
+    workers = layout.get("workers", 2) + layout.get("prefill_workers", 0) + layout.get("decode_workers", 0)
+    return launcher.start(http_port=free_ports(workers + 1), model=str(model_dir), served_model_name=MODEL,
+                          worker_args=("--num-kv-blocks", "256", "--max-num-seqs", "8"), log_dir=log_dir,
+                          threads_per_worker=1, python=str(DYNAMO_PYTHON), **layout)
+
+
+def post(cluster: launcher.Cluster, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(cluster.url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def worker_metric(cluster: launcher.Cluster, worker: int, name: str, labels: str = "") -> float:
+    """The sum of a metric's samples on worker `worker` (whose metrics port follows the frontend's)."""
+    port = int(cluster.url.rsplit(":", 1)[1]) + 1 + worker
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    values = [float(m.group(2)) for m in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M)
+              if labels in m.group(0)]
+    return sum(values)
+
+
+def wait_kv_free(cluster: launcher.Cluster, workers: list[int], timeout: float = 20.0) -> float:
+    """Poll the workers' KV usage until it is 0; returns the last sum."""
+    deadline = time.monotonic() + timeout
+    while True:
+        used = sum(worker_metric(cluster, w, "dynamo_component_gpu_cache_usage_percent") for w in workers)
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)

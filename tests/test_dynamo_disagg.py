@@ -1,0 +1,123 @@
+"""Disaggregated prefill and decode on Dynamo: a real frontend, one prefill and one decode worker (tiny
+random Llama). The decode worker imports the prefill worker's KV blocks over TCP and generates exactly what
+one worker generates alone; cancellations and a killed prefill worker leave no KV block behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from openai import OpenAI
+
+from backend.serving.tokenizer import load_tokenizer
+from tests.dynamo_cluster import MODEL, post, start_cluster, wait_kv_free, worker_metric
+from tests.reference import hf_greedy
+
+PREFILL, DECODE = 0, 1  # worker indices in the launcher's order
+# Dynamo's rule: prefill on the decode worker when fewer than 64 prompt tokens are new to it, and under 70 %
+CONDITIONAL = '{"policy": "isl_bounding", "eff_isl_threshold": 64, "eff_isl_ratio_threshold": 0.7}'
+# ~70 tokens: 4 full blocks travel, the partial last block is recomputed on the decode worker
+PROMPT = ("A long prompt that spans several KV blocks, so that the prefill worker has full blocks to hand "
+          "over: the quick brown fox jumps over the lazy dog, again and again, until the story is told.")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    c = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("disagg-logs"), workers=0, prefill_workers=1,
+                      decode_workers=1)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> OpenAI:
+    return OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _remote(cluster) -> float:
+    return worker_metric(cluster, DECODE, "llm_disagg_requests_total", 'prefill="remote"')
+
+
+def test_disaggregated_greedy_equals_hf_and_streams_the_same(cluster, client, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    [expected] = hf_greedy(tiny_model_dir, [prompt_ids], [16])
+    before = _remote(cluster)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True, "nvext": {"extra_fields": ["worker_id"]}})
+    assert out.choices[0].text == tokenizer.decode(expected)
+    assert out.usage.completion_tokens == 16
+    # the decode worker took every full prompt block from the prefill worker, and computed the rest
+    assert out.usage.prompt_tokens_details.cached_tokens == len(prompt_ids) // 16 * 16
+    assert _remote(cluster) == before + 1
+    assert worker_metric(cluster, DECODE, "llm_kv_transfer_bytes_total") > 0
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text
+
+
+def test_the_conditional_rule_keeps_a_mostly_cached_turn_on_the_decode_worker(tiny_model_dir, tmp_path_factory):
+    """Non-streaming here: on a request the rule keeps local, Dynamo 1.6's stream opens with a custom SSE event
+    (`x-bypass-remote-prefill`) that the openai package cannot parse (docs/dynamo.md)."""
+    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("conditional-logs"), workers=0,
+                            prefill_workers=1, decode_workers=1, conditional_disagg=CONDITIONAL)
+    try:
+        client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        tokenizer = load_tokenizer(tiny_model_dir)
+
+        def count(path: str) -> float:
+            return worker_metric(cluster, DECODE, "llm_disagg_requests_total", f'prefill="{path}"')
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        answer = complete(PROMPT)
+        assert (count("remote"), count("local")) == (1, 0)  # new to the decode worker: prefilled remotely
+        second = f"{PROMPT}{answer} And then?"  # the decode worker holds all but a few of its tokens
+        text = complete(second)
+        assert (count("remote"), count("local")) == (1, 1)
+        ids = tokenizer(second)["input_ids"]
+        assert text == tokenizer.decode(hf_greedy(tiny_model_dir, [ids], [8])[0])
+    finally:
+        cluster.stop()
+
+
+def test_a_prompt_under_one_block_is_prefilled_on_the_decode_worker(cluster, client, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer("Hi there")["input_ids"]
+    out = client.completions.create(model=MODEL, prompt="Hi there", max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == tokenizer.decode(hf_greedy(tiny_model_dir, [ids], [6])[0])
+
+
+def test_cancellations_leave_no_kv_on_either_worker(cluster, client):
+    def abandon(i: int, chunks: int) -> None:
+        stream = client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for n, _ in enumerate(stream):
+            if n >= chunks:
+                break
+        stream.close()
+
+    # 0 chunks: the client leaves during the prefill or the transfer; 3: during decode
+    threads = [threading.Thread(target=abandon, args=(i, (0, 3)[i % 2])) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert wait_kv_free(cluster, [PREFILL, DECODE]) == 0
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).choices[0].text is not None
+
+
+def test_a_killed_prefill_worker_fails_or_prefills_locally_never_hangs(cluster):
+    victim = cluster.workers[PREFILL]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+    for i in range(3):  # each answered within the client timeout: served (by the decode worker) or an error
+        code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": f"{PROMPT} after {i}",
+                                                       "max_tokens": 8})
+        assert code == 200 or (400 <= code < 600 and body.get("message")), (code, body)
+    assert wait_kv_free(cluster, [DECODE]) == 0
