@@ -78,8 +78,8 @@ class Recorder:
     def __init__(self, mode: str, total: int):
         self.mode, self.total, self.rows, self.lock = mode, total, [], threading.Lock()
 
-    def request(self, client: OpenAI, prompt: str, max_tokens: int) -> str:
-        row = {"ttft": None, "itl": [], "prompt": 0, "cached": 0, "output": 0, "error": None}
+    def request(self, client: OpenAI, prompt: str, max_tokens: int, kind: str = "chat") -> str:
+        row = {"kind": kind, "ttft": None, "itl": [], "prompt": 0, "cached": 0, "output": 0, "error": None}
         text, start = [], time.perf_counter()
         last = start
         try:
@@ -104,7 +104,8 @@ class Recorder:
         with self.lock:
             self.rows.append(row)
             if len(self.rows) % 10 == 0 or len(self.rows) == self.total:
-                print(f"[{self.mode}] {len(self.rows)}/{self.total} requests done", flush=True)
+                of = f"/{self.total}" if self.total else ""  # 0: open-ended
+                print(f"[{self.mode}] {len(self.rows)}{of} requests done", flush=True)
         return "".join(text)
 
 
@@ -158,15 +159,12 @@ def table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[ModeResult], path: Path, title: str) -> None:
+def bars(names: list[str], panels: list[tuple[str, list[float], str]], path: Path, title: str) -> None:
+    """One bar chart per panel (label, a value per name, unit), side by side."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r.mode for r in results]
-    panels = [("prefix-cache hit rate (engines)", [r.hit_rate * 100 for r in results], "%"),
-              ("TTFT p50", [r.ttft_p50 for r in results], "s"), ("TTFT p99", [r.ttft_p99 for r in results], "s"),
-              ("output throughput", [r.throughput_tok_s for r in results], "tok/s")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (label, values, unit) in zip(axes, panels):
         ax.bar(names, values, color=["tab:green", "tab:blue", "tab:gray"][:len(names)])
@@ -192,6 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--session-rate", type=float, default=0.5, help="new sessions per second (Poisson)")
     p.add_argument("--think", type=float, default=2.0, help="mean seconds between an answer and the next turn")
     p.add_argument("--num-kv-blocks", type=int, default=1024, help="per worker, 16 tokens each")
+    p.add_argument("--layout", default=None, metavar="agg,disagg",
+                   help="instead of router modes: the mixed workload (long prompts arriving while short chats "
+                        "decode) on 2 aggregated workers vs 1 prefill + 1 decode worker")
+    p.add_argument("--decoders", type=int, default=6, help="--layout: short chats decoding throughout")
+    p.add_argument("--long-prompts", type=int, default=12, help="--layout: long prompts, Poisson arrivals")
+    p.add_argument("--long-words", type=int, default=900, help="--layout: words per long prompt")
+    p.add_argument("--long-rate", type=float, default=0.25, help="--layout: long prompts per second")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "results" / "cluster")
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a `kill` still stops the cluster (finally)
     if not DYNAMO_PYTHON.exists():
         raise SystemExit("no .venv-dynamo: run `make dynamo-venv` first")
+    if args.layout:
+        return run_layouts(args)
 
     sessions = make_sessions(args.sessions, args.turns, args.system_prompts, args.system_words, args.think,
                              args.seed)
@@ -208,14 +215,136 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.max_tokens}-token answers), {args.session_rate} new sessions/s, {args.workers} workers")
     print(f"{workload}; CPU: {cpu}", flush=True)
     results = [run_mode(mode, args, sessions, starts) for mode in args.modes.split(",")]
-    title = f"{workload}\n{cpu}"
-    print("\n" + title + "\n" + table(results))
+    panels = [("prefix-cache hit rate (engines)", [r.hit_rate * 100 for r in results], "%"),
+              ("TTFT p50", [r.ttft_p50 for r in results], "s"), ("TTFT p99", [r.ttft_p99 for r in results], "s"),
+              ("output throughput", [r.throughput_tok_s for r in results], "tok/s")]
+    report(args, "cluster", f"{workload}\n{cpu}", table(results), results, [r.mode for r in results], panels)
+
+
+def report(args: argparse.Namespace, name: str, title: str, text: str, results: list, names: list[str],
+           panels: list[tuple[str, list[float], str]]) -> None:
+    """Print the table under its title, write `name`.json and the bar charts `name`.png into --out."""
+    print("\n" + title + "\n" + text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cluster.json").write_text(json.dumps(
-        {"cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()}, "results": [asdict(r) for r in results]},
-        indent=2))
-    plot(results, args.out / "cluster.png", title)
-    print(f"wrote {args.out / 'cluster.json'} and {args.out / 'cluster.png'}")
+    (args.out / f"{name}.json").write_text(json.dumps(
+        {"cpu": cpu_summary(), "args": {k: str(v) for k, v in vars(args).items()},
+         "results": [asdict(r) for r in results]}, indent=2))
+    bars(names, panels, args.out / f"{name}.png", title)
+    print(f"wrote {args.out / name}.json and .png")
+
+
+# ---- disaggregated prefill/decode: --layout agg,disagg ---------------------------------------------------
+
+@dataclass
+class LayoutResult:
+    layout: str
+    requests: int
+    errors: int
+    seconds: float
+    throughput_tok_s: float
+    decode_itl_p50: float  # the short chats' inter-token latency: what long prefills disturb
+    decode_itl_p99: float
+    chat_ttft_p50: float
+    chat_ttft_p99: float
+    long_ttft_p50: float
+    long_ttft_p99: float
+    transfers: int
+    transfer_ms_mean: float
+    transfer_mb_mean: float
+
+
+LAYOUTS = {"agg": {"workers": 2}, "disagg": {"workers": 0, "prefill_workers": 1, "decode_workers": 1}}
+
+
+def run_layout(layout: str, args: argparse.Namespace) -> LayoutResult:
+    print(f"[{layout}] starting the frontend and its workers ...", flush=True)
+    cluster = launcher.start(http_port=args.port, router_mode="kv", model=args.model, served_model_name=MODEL,
+                             python=str(DYNAMO_PYTHON), worker_args=("--num-kv-blocks", str(args.num_kv_blocks)),
+                             **LAYOUTS[layout])
+    rng = random.Random(args.seed)
+    longs = [f"Document {i}: {_text(rng, args.long_words)}\nSummary:" for i in range(args.long_prompts)]
+    arrivals = arrival_offsets(args.long_rate, len(longs), float("inf"), args.seed)
+    recorder, done = Recorder(layout, 0), threading.Event()
+    try:
+        client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        client.completions.create(model=MODEL, prompt="warm up", max_tokens=4)
+
+        def chat(i: int) -> None:
+            while not done.is_set():
+                recorder.request(client, f"User {i}: {_text(rng, 30)}?\nAssistant:", args.max_tokens * 2, "chat")
+
+        def long_prompt(prompt: str) -> None:
+            recorder.request(client, prompt, 8, "long")
+
+        chats = [threading.Thread(target=chat, args=(i,)) for i in range(args.decoders)]
+        for th in chats:
+            th.start()
+        t0, threads = time.perf_counter(), []
+        for prompt, offset in zip(longs, arrivals):
+            time.sleep(max(0.0, t0 + 3.0 + offset - time.perf_counter()))  # chats decode from the start
+            threads.append(threading.Thread(target=long_prompt, args=(prompt,)))
+            threads[-1].start()
+        for th in threads:
+            th.join()
+        done.set()
+        for th in chats:
+            th.join()
+        seconds = time.perf_counter() - t0
+        transfer = _transfer_metrics(cluster) if layout == "disagg" else (0, 0.0, 0.0)
+    finally:
+        cluster.stop()
+    rows = recorder.rows
+    ok = [r for r in rows if r["error"] is None]
+    chat, long = [r for r in ok if r["kind"] == "chat"], [r for r in ok if r["kind"] == "long"]
+    itl = percentiles([x for r in chat for x in r["itl"]], "itl")
+    chat_ttft = percentiles([r["ttft"] for r in chat if r["ttft"] is not None], "ttft")
+    long_ttft = percentiles([r["ttft"] for r in long if r["ttft"] is not None], "ttft")
+    return LayoutResult(layout, len(rows), len(rows) - len(ok), seconds, sum(r["output"] for r in ok) / seconds,
+                        itl.get("itl_p50", 0.0), itl.get("itl_p99", 0.0), chat_ttft.get("ttft_p50", 0.0),
+                        chat_ttft.get("ttft_p99", 0.0), long_ttft.get("ttft_p50", 0.0), long_ttft.get("ttft_p99", 0.0),
+                        *transfer)
+
+
+def _transfer_metrics(cluster: launcher.Cluster) -> tuple[int, float, float]:
+    """(transfers, mean ms, mean MB) from the decode worker's metrics (the launcher's last worker)."""
+    import re
+    import urllib.request
+
+    port = int(cluster.url.rsplit(":", 1)[1]) + len(cluster.workers)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+    count = total("llm_kv_transfer_seconds_count")
+    if not count:
+        return 0, 0.0, 0.0
+    return int(count), total("llm_kv_transfer_seconds_sum") / count * 1e3, \
+        total("llm_kv_transfer_bytes_total") / count / 1e6
+
+
+def layout_table(results: list[LayoutResult]) -> str:
+    lines = ["| layout | requests (errors) | chats' ITL p50 / p99 (ms) | chats' TTFT p50 / p99 (s) | long prompts' TTFT "
+             "p50 / p99 (s) | output tok/s | KV transfers: n, mean ms, mean MB |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.layout} | {r.requests} ({r.errors}) | {r.decode_itl_p50 * 1e3:.0f} / {r.decode_itl_p99 * 1e3:.0f} "
+                     f"| {r.chat_ttft_p50:.2f} / {r.chat_ttft_p99:.2f} | {r.long_ttft_p50:.2f} / {r.long_ttft_p99:.2f} "
+                     f"| {r.throughput_tok_s:.1f} | {r.transfers}, {r.transfer_ms_mean:.1f}, {r.transfer_mb_mean:.2f} |")
+    return "\n".join(lines)
+
+
+def run_layouts(args: argparse.Namespace) -> None:
+    cpu = cpu_summary()
+    workload = (f"{args.decoders} short chats decoding ({args.max_tokens * 2}-token answers) while {args.long_prompts} "
+                f"long prompts (~{args.long_words} words, 8-token answers) arrive at {args.long_rate}/s")
+    print(f"{workload}; CPU: {cpu}", flush=True)
+    results = [run_layout(layout, args) for layout in args.layout.split(",")]
+    panels = [("chats' ITL p99", [r.decode_itl_p99 * 1e3 for r in results], "ms"),
+              ("chats' TTFT p99", [r.chat_ttft_p99 for r in results], "s"),
+              ("long prompts' TTFT p99", [r.long_ttft_p99 for r in results], "s"),
+              ("output throughput", [r.throughput_tok_s for r in results], "tok/s")]
+    report(args, "layouts", f"{workload}\n{cpu}", layout_table(results), results, [r.layout for r in results],
+           panels)
 
 
 if __name__ == "__main__":
