@@ -32,17 +32,20 @@ serve: model
 
 # NVIDIA Dynamo in its own venv (.venv-dynamo, ~1 min): the frontend (OpenAI API on :8080, KV-aware router)
 # and WORKERS engine workers on this host, or PREFILL_WORKERS=1 DECODE_WORKERS=1 (disaggregated: the prompt's
-# KV blocks move from the prefill to the decode worker). Engine settings for every worker: WORKER_ARGS="--max-num-seqs 32".
+# KV blocks move from the prefill to the decode worker; CONDITIONAL_DISAGG='{"policy": "isl_bounding"}' keeps
+# mostly-cached turns on the decode worker). Engine settings for every worker: WORKER_ARGS="--max-num-seqs 32".
 WORKERS ?= 2
 PREFILL_WORKERS ?= 0
 DECODE_WORKERS ?= 0
+CONDITIONAL_DISAGG ?=
 WORKER_ARGS ?=
 dynamo-venv:
 	bash scripts/dynamo_env.sh
 
 serve-dynamo: model dynamo-venv
 	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) --prefill-workers $(PREFILL_WORKERS) \
-		--decode-workers $(DECODE_WORKERS) -- $(WORKER_ARGS)
+		--decode-workers $(DECODE_WORKERS) $(if $(CONDITIONAL_DISAGG),--conditional-disagg '$(CONDITIONAL_DISAGG)') \
+		-- $(WORKER_ARGS)
 
 # NVIDIA AIPerf (own venv, .venv-aiperf) against a RUNNING `make serve-dynamo`: synthetic chat, 256 tokens in,
 # 64 out (EOS ignored), streaming; summary on stdout, artifacts in results/aiperf/.
