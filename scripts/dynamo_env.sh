@@ -37,7 +37,10 @@ echo "[3/3] what the frontend and worker import"
 # pinned within ai-dynamo 1.6.1's ranges (certifi: the newest the mirror has, one day short of its floor)
 "$PIP" install -q aiohttp==3.14.5 msgspec==0.22.0 prometheus-client==0.26.0 pyzmq==27.3.0 tqdm==4.70.1 \
     typing-extensions==4.16.0 zstandard==0.25.0 certifi==2026.10.18 pydantic==2.13.5 uvloop==0.23.0
+# NIXL, the disaggregated workers' KV transport: its CUDA dependencies (and a torch of its own) left out,
+# UCX on host memory needs none
+"$PIP" install -q --no-deps nixl-cu12==1.5.1
 "$PIP" install -q --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c 'import dynamo.frontend, dynamo.common.backend, backend.engine; print("dynamo ready")'
+"$VENV/bin/python" -c 'import dynamo.frontend, dynamo.common.backend, backend.engine, nixl_cu12._api; print("dynamo ready")'
 rm -f "$VENV"/.installed-*
 touch "$STAMP"

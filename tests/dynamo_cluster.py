@@ -49,6 +49,8 @@ def worker_metric(cluster: launcher.Cluster, worker: int, name: str, labels: str
     port = int(cluster.url.rsplit(":", 1)[1]) + 1 + worker
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
+    family = re.sub(r"_(total|count|sum|bucket)$", "", name)
+    assert re.search(rf"^# TYPE {family}(_total)? ", text, re.M), f"worker{worker} exports no {family}"
     values = [float(m.group(2)) for m in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M)
               if labels in m.group(0)]
     return sum(values)

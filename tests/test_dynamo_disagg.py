@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 from openai import OpenAI
@@ -53,6 +54,10 @@ def test_disaggregated_greedy_equals_hf_and_streams_the_same(cluster, client, ti
     assert out.usage.prompt_tokens_details.cached_tokens == len(prompt_ids) // 16 * 16
     assert _remote(cluster) == before + 1
     assert worker_metric(cluster, DECODE, "llm_kv_transfer_bytes_total") > 0
+    deadline = time.monotonic() + 10  # the READ's notification releases the prefill worker's buffer
+    while worker_metric(cluster, PREFILL, "llm_kv_exports_pending") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_metric(cluster, PREFILL, "llm_kv_exports_pending") == 0
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text

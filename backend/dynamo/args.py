@@ -19,8 +19,10 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                    help="disaggregated serving: prefill workers run prompts and hand their KV blocks to decode "
                         "workers (docs/dynamo.md)")
+    p.add_argument("--kv-transport", default="nixl", choices=["nixl", "tcp"],
+                   help="prefill role: how decode workers get the KV blocks (NIXL over UCX, or a plain TCP pull)")
     p.add_argument("--kv-host", default="127.0.0.1",
-                   help="prefill role: the address decode workers fetch KV blocks from")
+                   help="prefill role, tcp transport: the address decode workers fetch KV blocks from")
     engine = p.add_argument_group("engine settings (as in config.pbtxt; defaults in backend/engine/config.py)")
     for name, field in setting_fields().items():
         engine.add_argument("--" + name.replace("_", "-"), dest=name, metavar=str(field.type).split(" |")[0].upper(),

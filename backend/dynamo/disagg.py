@@ -20,22 +20,29 @@ import dataclasses
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from backend.dynamo import kv_nixl
 from backend.dynamo.kv_transport import KVServer, fetch
 from backend.serving.request import GenerationRequest
 
 LOG = logging.getLogger(__name__)
 ROLES = ("both", "prefill", "decode")
+TRANSPORTS = ("nixl", "tcp")
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Disaggregation:
-    def __init__(self, role: str, kv_host: str = "127.0.0.1"):
+    def __init__(self, role: str, transport: str = "nixl", kv_host: str = "127.0.0.1"):
         if role not in ROLES:
             raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport: expected one of {TRANSPORTS}, got {transport!r}")
         self.role = role
-        self.server = KVServer(kv_host) if role == "prefill" else None
+        self.server = None
+        if role == "prefill":  # the prefill side picks the transport; its params tell the decode side
+            self.server = kv_nixl.NixlKVServer() if transport == "nixl" else KVServer(kv_host)
+        self._nixl: kv_nixl.NixlFetcher | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter("llm_disagg_requests", "Requests by where their prompt was prefilled",
                                 ["prefill"], registry=self.registry)
@@ -43,6 +50,9 @@ class Disaggregation:
                                           buckets=SECONDS, registry=self.registry)
         self.transfer_bytes = Counter("llm_kv_transfer_bytes", "KV bytes fetched from prefill workers",
                                       registry=self.registry)
+        if self.server is not None:
+            Gauge("llm_kv_exports_pending", "Prefill exports not yet fetched (dropped once read, or after 60 s)",
+                  registry=self.registry).set_function(lambda: self.server.num_pending)
 
     async def start(self) -> None:
         if self.server is not None:
@@ -61,7 +71,7 @@ class Disaggregation:
         prefill = (request.get("prefill_result") or {}).get("disaggregated_params") or {}
         if self.role == "decode" and "kv_handle" in prefill:
             try:
-                kv, transfer = await fetch(prefill)
+                kv, transfer = await self._fetch(prefill)
             except ConnectionError as err:
                 LOG.warning("%s; prefilling here instead", err)
                 self.requests.labels("local_after_failed_transfer").inc()
@@ -72,6 +82,13 @@ class Disaggregation:
             return dataclasses.replace(req, kv=kv), None
         self.requests.labels("local").inc()
         return req, None
+
+    async def _fetch(self, params: dict):
+        if params.get("kv_transport") != "nixl":
+            return await fetch(params)
+        if self._nixl is None:
+            self._nixl = kv_nixl.NixlFetcher()
+        return await self._nixl.fetch(params)
 
     def export_to(self, params: dict) -> Any:
         """The engine thread's export hook for a prefill request: keep the blocks, fill `params`. A prompt

@@ -62,7 +62,7 @@ class EngineWorker(DynamoEngine):
                     if (value := getattr(args, name)) is not None}
         settings["enable_kv_events"] = "true"
         engine_config = engine_config_from_settings(settings)  # resolves the model folder
-        worker = cls(engine_config, args.served_model_name, Disaggregation(args.role, args.kv_host))
+        worker = cls(engine_config, args.served_model_name, Disaggregation(args.role, args.kv_transport, args.kv_host))
         config = WorkerConfig(  # the frontend reads the tokenizer and chat template from `model_name`, a folder
             namespace=args.namespace, component=args.component, endpoint="generate",
             model_name=engine_config.model, served_model_name=args.served_model_name,
