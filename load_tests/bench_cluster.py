@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--session-rate", type=float, default=0.5, help="new sessions per second (Poisson)")
     p.add_argument("--think", type=float, default=2.0, help="mean seconds between an answer and the next turn")
     p.add_argument("--num-kv-blocks", type=int, default=1024, help="per worker, 16 tokens each")
-    p.add_argument("--layout", default=None, metavar="agg,disagg",
+    p.add_argument("--layout", default=None, metavar="agg,disagg,disagg-tcp",
                    help="instead of router modes: the mixed workload (long prompts arriving while short chats "
-                        "decode) on 2 aggregated workers vs 1 prefill + 1 decode worker")
+                        "decode) on 2 aggregated workers vs 1 prefill + 1 decode worker (KV over NIXL, or TCP)")
     p.add_argument("--decoders", type=int, default=6, help="--layout: short chats decoding throughout")
     p.add_argument("--long-prompts", type=int, default=12, help="--layout: long prompts, Poisson arrivals")
     p.add_argument("--long-words", type=int, default=900, help="--layout: words per long prompt")
@@ -253,14 +253,18 @@ class LayoutResult:
     transfer_mb_mean: float
 
 
-LAYOUTS = {"agg": {"workers": 2}, "disagg": {"workers": 0, "prefill_workers": 1, "decode_workers": 1}}
+DISAGG = {"workers": 0, "prefill_workers": 1, "decode_workers": 1}
+# layout -> (launcher layout, extra worker flags)
+LAYOUTS = {"agg": ({"workers": 2}, ()), "disagg": (DISAGG, ("--kv-transport", "nixl")),
+           "disagg-tcp": (DISAGG, ("--kv-transport", "tcp"))}
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> LayoutResult:
     print(f"[{layout}] starting the frontend and its workers ...", flush=True)
+    workers, flags = LAYOUTS[layout]
     cluster = launcher.start(http_port=args.port, router_mode="kv", model=args.model, served_model_name=MODEL,
-                             python=str(DYNAMO_PYTHON), worker_args=("--num-kv-blocks", str(args.num_kv_blocks)),
-                             **LAYOUTS[layout])
+                             python=str(DYNAMO_PYTHON),
+                             worker_args=("--num-kv-blocks", str(args.num_kv_blocks), *flags), **workers)
     rng = random.Random(args.seed)
     longs = [f"Document {i}: {_text(rng, args.long_words)}\nSummary:" for i in range(args.long_prompts)]
     arrivals = arrival_offsets(args.long_rate, len(longs), float("inf"), args.seed)
@@ -290,7 +294,7 @@ def run_layout(layout: str, args: argparse.Namespace) -> LayoutResult:
         for th in chats:
             th.join()
         seconds = time.perf_counter() - t0
-        transfer = _transfer_metrics(cluster) if layout == "disagg" else (0, 0.0, 0.0)
+        transfer = _transfer_metrics(cluster) if layout.startswith("disagg") else (0, 0.0, 0.0)
     finally:
         cluster.stop()
     rows = recorder.rows
