@@ -112,6 +112,14 @@ def test_a_request_cancelled_twice_ends_once_and_the_loop_lives(loop):
     assert loop.engine.kv.num_used_blocks == 0 and loop.num_active == 0
 
 
+def test_a_request_past_its_deadline_ends_with_what_it_has(loop):
+    rec = submit(loop, max_tokens=900, timeout_ms=300)
+    assert rec.done.wait(30) and rec.reasons == ["timeout"] and rec.ends == 1
+    assert 0 < len(rec.tokens) < 900  # it ran, and was cut
+    time.sleep(0.2)
+    assert loop.engine.kv.num_used_blocks == 0 and loop.alive
+
+
 def test_stop_string_ends_generation(loop, tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     full = submit(loop, max_tokens=16)

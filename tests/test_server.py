@@ -147,6 +147,17 @@ def test_stop_words_end_generation_across_tokens(server, reference):
     assert text.startswith(result.text)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_past_its_timeout_ends_with_its_partial_text(server, reference, stream):
+    with LLMClient(grpc_url(server)) as client:
+        result = client.generate(PROMPTS[0], max_tokens=1000, ignore_eos=True, timeout_ms=300, stream=stream,
+                                 return_finish_reason=True, return_num_output_tokens=True)
+    assert result.finish_reason == "timeout"
+    n = int(result.outputs["num_output_tokens"].reshape(-1)[0])
+    assert 0 < n < 1000 and result.text and reference(PROMPTS[0], n).startswith(result.text)
+    wait_until_idle(server)  # nothing running, every KV block free
+
+
 def test_seed_gives_reproducible_samples(server):
     with LLMClient(grpc_url(server)) as client:
         a, b, c = (client.generate("Hi", max_tokens=12, ignore_eos=True, temperature=1.0, top_k=40, seed=s).text

@@ -24,6 +24,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, stop token or stop string
     LENGTH = "length"  # max_tokens or the model's context
     CANCELLED = "cancelled"  # aborted by the client
+    TIMEOUT = "timeout"  # past the request's deadline (its timeout_ms)
 
 
 @dataclass

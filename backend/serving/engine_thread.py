@@ -198,9 +198,14 @@ class EngineLoop:
         self._active[sub.engine_id] = sub
 
     def _poll_cancellations(self) -> None:
+        """Clients that went away are aborted; requests past their deadline end with what they have."""
+        now = time.monotonic()
         for sub in list(self._active.values()):
             if sub.is_cancelled():
                 self._abort(sub.engine_id)
+            elif sub.request.timeout_ms and now - sub.submitted_at >= sub.request.timeout_ms / 1e3 \
+                    and sub.engine_id in self.engine.requests:
+                self._dispatch(self.engine.finish(sub.engine_id, FinishReason.TIMEOUT))
 
     def _dispatch(self, out: RequestOutput) -> None:
         sub = self._active.get(out.request_id)

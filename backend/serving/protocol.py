@@ -92,6 +92,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     _input("return_finish_reason", "TYPE_BOOL", (1,), "send finish_reason"),
     _input("priority", "TYPE_INT32", (1,), "lower is served first"),
     _input("tenant", "TYPE_STRING", (1,), "the tenant whose quota the request counts against; empty: none"),
+    _input("timeout_ms", "TYPE_INT32", (1,), "end the request this long after it arrived, finish reason "
+                                             "`timeout`, with what it generated so far; 0: no deadline"),
 )
 
 _IDS = frozenset({LLM})
@@ -107,7 +109,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("cum_log_probs", "TYPE_FP32", (1,), _BOTH, "sum of the logprobs so far (return_log_probs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (1,), _BOTH, "prompt tokens (return_num_input_tokens)"),
     TensorSpec("num_output_tokens", "TYPE_INT32", (1,), _BOTH, "tokens generated (return_num_output_tokens)"),
-    TensorSpec("finish_reason", "TYPE_STRING", (1,), _BOTH, "stop, length, cancelled (return_finish_reason)"),
+    TensorSpec("finish_reason", "TYPE_STRING", (1,), _BOTH,
+               "stop, length, cancelled, timeout (return_finish_reason)"),
 )
 
 

@@ -41,6 +41,7 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_finish_reason: bool = False
+    timeout_ms: int = 0  # end the request this long after its submission (finish reason "timeout"); 0: never
     kv: ExportedKV | None = None  # a remote prefill's blocks for this prompt (Dynamo decode worker)
 
 
@@ -99,6 +100,8 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         given["stop_strings"] = given.pop("stop_words")
     if "tenant" in given:
         given["tenant"] = given["tenant"] or None
+    if given.get("timeout_ms", 0) < 0:
+        raise InvalidRequestError("timeout_ms", f"must be >= 0 (0: no deadline), got {given['timeout_ms']}")
     sampling = {name: given.pop(name) for name in SAMPLING_FIELDS if name in given}
     if "return_log_probs" in given:
         sampling["logprobs"] = given.pop("return_log_probs")
