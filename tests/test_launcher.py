@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import signal
 import subprocess
@@ -178,3 +179,28 @@ def test_cli_serves_until_sigint(server: TritonServer, tmp_path: Path) -> None:
     assert '"auto-complete-config":"false"' in (tmp_path / "cli.log").read_text()  # the `--` args got through
     with pytest.raises(OSError):
         http_status(f"http://127.0.0.1:{http}/v2/health/ready")
+
+
+def test_cli_restarts_a_tritonserver_that_dies(server: TritonServer, tmp_path: Path) -> None:
+    http, grpc, metrics = free_ports(3)
+    cmd = [sys.executable, "-m", "backend.triton.launcher", "--model-repository", str(server.model_repository),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--log-file", str(tmp_path / "cli.log"), "--max-restarts", "1", "--", *FAST]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        "".join(itertools.takewhile(lambda line: "Ctrl-C to stop" not in line, lines))
+        children = subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"], capture_output=True, text=True)
+        (pid,) = map(int, children.stdout.split())
+        os.kill(pid, signal.SIGKILL)  # as an abort in the python backend would end it
+        printed = "".join(itertools.takewhile(lambda line: "tritonserver restarted" not in line, lines))
+        assert "tritonserver exited with -9" in printed and "restarting it in 1 s (restart 1 of 1)" in printed
+        assert http_status(f"http://127.0.0.1:{http}/v2/health/ready") == 200
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()

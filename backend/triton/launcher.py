@@ -37,6 +37,7 @@ MiB = 1024 * 1024
 # its descheduled partner needs). Set OMP_WAIT_POLICY yourself to override; OMP_WAIT_POLICY=ACTIVE
 # GOMP_SPINCOUNT=300000 is libgomp's spinning default, for dedicated cores.
 SERVER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+STABLE_S = 600.0  # a server up this long counts as healthy: the restart backoff starts over
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class TritonServer:
                f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={self.exit_timeout_s}",
                *(f"--backend-config=python,{key}={value}" for key, value in python_config.items()),
                *self.extra_args]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop(); a restart appends
         self._started_at = time.monotonic()
         # Own session: a terminal's Ctrl-C reaches only us, and stop() can kill the stubs with the server.
         self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--log-file", type=Path, help="default: tritonserver.log in a temporary dir")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restart a tritonserver that exits by itself, after 1, 2, 4 .. 30 s; the count starts "
+                             "again after 10 minutes up; -1: always, 0: never")
     parser.add_argument("--auto-complete-config", action="store_true",
                         help="let Triton complete configs (it then loads each python model twice; ours are complete)")
     args = parser.parse_args(argv[:split])
@@ -300,16 +304,34 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                           args.log_verbose, extra, log_path=args.log_file, echo=True)
     try:
-        server.start()
-        elapsed = server.wait_ready(args.ready_timeout)
-        print(f"\ntritonserver ready in {elapsed:.1f}s, log in {server.log_path}. Try:\n"
-              f"  python -m client \"Write a haiku about GPUs\" --stream    # gRPC on {server.url_grpc}\n"
-              f"  curl -sN {server.url_http}/v2/models/ensemble/generate_stream"
-              " -d '{\"text_input\": \"Write a haiku about GPUs\", \"max_tokens\": 64}'\n"
-              f"  curl -s {server.url_metrics} | head\nCtrl-C to stop.", flush=True)
-        code = server.wait()
-        print(f"tritonserver exited with {code}", file=sys.stderr)
-        return code or 1
+        restarts = 0
+        while True:
+            server.start()
+            elapsed = server.wait_ready(args.ready_timeout)
+            if restarts == 0:
+                print(f"\ntritonserver ready in {elapsed:.1f}s, log in {server.log_path}. Try:\n"
+                      f"  python -m client \"Write a haiku about GPUs\" --stream    # gRPC on {server.url_grpc}\n"
+                      f"  curl -sN {server.url_http}/v2/models/ensemble/generate_stream"
+                      " -d '{\"text_input\": \"Write a haiku about GPUs\", \"max_tokens\": 64}'\n"
+                      f"  curl -s {server.url_metrics} | head\nCtrl-C to stop.", flush=True)
+            else:
+                print(f"tritonserver restarted, ready in {elapsed:.1f}s", file=sys.stderr, flush=True)
+            up_since = time.monotonic()
+            code = server.wait()
+            tail = server.log_tail(15)
+            server.stop()
+            if time.monotonic() - up_since > STABLE_S:
+                restarts = 0
+            if 0 <= args.max_restarts <= restarts:
+                print(f"tritonserver exited with {code}; not restarting it (--max-restarts {args.max_restarts}); "
+                      f"its log ends:\n{tail}", file=sys.stderr)
+                return code or 1
+            restarts += 1
+            delay = min(30.0, 2.0 ** (restarts - 1))
+            print(f"tritonserver exited with {code}; its log ends:\n{tail}\nrestarting it in {delay:.0f} s "
+                  f"(restart {restarts}{'' if args.max_restarts < 0 else f' of {args.max_restarts}'})",
+                  file=sys.stderr, flush=True)
+            time.sleep(delay)
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as err:  # no server, or it died or hung while loading models
