@@ -157,22 +157,33 @@ def test_model_failure_is_raised_with_the_log_tail(tmp_path: Path) -> None:
             pass
 
 
-def test_cli_serves_until_sigint(server: TritonServer, tmp_path: Path) -> None:
+def _cli(server: TritonServer, tmp_path: Path, *options: str) -> tuple[subprocess.Popen, int, Iterator[str]]:
+    """`python -m backend.triton.launcher` on the test repository: the process, its HTTP port, its output lines."""
     http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "backend.triton.launcher", "--model-repository", str(server.model_repository),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--log-file", str(tmp_path / "cli.log"), "--", *FAST]
+           "--log-file", str(tmp_path / "cli.log"), *options, "--", *FAST]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    return proc, http, iter(proc.stdout.readline, "")
+
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C: the launcher stops the server and exits 0."""
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, rest
+
+
+def test_cli_serves_until_sigint(server: TritonServer, tmp_path: Path) -> None:
+    proc, http, lines = _cli(server, tmp_path)
     try:
-        assert proc.stdout is not None
-        lines = iter(proc.stdout.readline, "")  # up to the launcher's last "ready" line, or its end
+        # up to the launcher's last "ready" line, or its end
         printed = "".join(itertools.takewhile(lambda line: "Ctrl-C to stop" not in line, lines))
         assert "python -m client" in printed, printed
         assert http_status(f"http://127.0.0.1:{http}/v2/health/ready") == 200
-        proc.send_signal(signal.SIGINT)
-        rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 0, rest
+        _interrupt(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -182,15 +193,8 @@ def test_cli_serves_until_sigint(server: TritonServer, tmp_path: Path) -> None:
 
 
 def test_cli_restarts_a_tritonserver_that_dies(server: TritonServer, tmp_path: Path) -> None:
-    http, grpc, metrics = free_ports(3)
-    cmd = [sys.executable, "-m", "backend.triton.launcher", "--model-repository", str(server.model_repository),
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--log-file", str(tmp_path / "cli.log"), "--max-restarts", "1", "--", *FAST]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc, http, lines = _cli(server, tmp_path, "--max-restarts", "1")
     try:
-        assert proc.stdout is not None
-        lines = iter(proc.stdout.readline, "")
         "".join(itertools.takewhile(lambda line: "Ctrl-C to stop" not in line, lines))
         children = subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"], capture_output=True, text=True)
         (pid,) = map(int, children.stdout.split())
@@ -198,9 +202,7 @@ def test_cli_restarts_a_tritonserver_that_dies(server: TritonServer, tmp_path: P
         printed = "".join(itertools.takewhile(lambda line: "tritonserver restarted" not in line, lines))
         assert "tritonserver exited with -9" in printed and "restarting it in 1 s (restart 1 of 1)" in printed
         assert http_status(f"http://127.0.0.1:{http}/v2/health/ready") == 200
-        proc.send_signal(signal.SIGINT)
-        rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 0, rest
+        _interrupt(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
