@@ -244,10 +244,12 @@ def test_overload_answers_overloaded_and_serves_the_rest(server):
     while (m := metrics(server))["llm_num_requests_running"] < running or m["llm_num_requests_waiting"] < waiting:
         assert time.monotonic() < deadline, f"the engine never filled up: {m}"
         time.sleep(0.01)
+    refused = metrics(server).get('llm_requests_refused_total{reason="overloaded"}', 0)
     with LLMClient(grpc_url(server)) as extra:
         for _ in range(3):
             with pytest.raises(InferenceServerException, match="overloaded"):
                 extra.generate("Hi", max_tokens=8)
+    assert metrics(server)['llm_requests_refused_total{reason="overloaded"}'] == refused + 3
     for client in clients:
         client.cancel()
     for t in threads:

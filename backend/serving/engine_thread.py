@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from backend.serving.detokenize import IncrementalDetokenizer
 from backend.engine.engine import EngineStats, LLMEngine, RequestOutput
-from backend.engine.errors import EngineDeadError
+from backend.engine.errors import EngineDeadError, QueueFullError
 from backend.engine.kv_events import KVEvent
 from backend.engine.kv_transfer import ExportedKV
 from backend.serving.request import GenerationRequest
@@ -59,6 +59,9 @@ class LoopObserver:
     """Hooks for metrics, called on the output thread; the default does nothing."""
 
     def on_step(self, stats: EngineStats, step_seconds: float) -> None: ...
+
+    def on_refused(self, reason: str) -> None:
+        """A request was not admitted: "overloaded" (the waiting queue is full) or "invalid"."""
 
     def on_idle(self, stats: EngineStats) -> None:
         """The engine has no request left (the last one finished or was aborted between steps)."""
@@ -191,6 +194,8 @@ class EngineLoop:
                 self.engine.import_kv(req.prompt_token_ids, req.kv)
             self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant)
         except Exception as err:  # noqa: BLE001 - invalid or overloaded: this request's error
+            reason = "overloaded" if isinstance(err, QueueFullError) else "invalid"
+            self._outbox.put(functools.partial(self.observer.on_refused, reason))
             self._outbox.put(functools.partial(_safe_fail, sub, err))
             return
         if req.stop_strings:

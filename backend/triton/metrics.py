@@ -34,6 +34,9 @@ class TritonMetrics(LoopObserver):
         self.hit_rate = metric("llm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
                                "over prompt tokens admitted", fam.GAUGE)
         self.preemptions = metric("llm_preemptions_total", "Sequences preempted (recompute)", fam.COUNTER)
+        refused_doc = "Requests not admitted: overloaded (the waiting queue was full) or invalid"
+        self.refused = {reason: metric("llm_requests_refused_total", refused_doc, fam.COUNTER, {"reason": reason})
+                        for reason in ("overloaded", "invalid")}
         self.prompt_tokens = metric("llm_prompt_tokens_total", "Prompt tokens of finished requests", fam.COUNTER)
         self.generation_tokens = metric("llm_generation_tokens_total", "Generated tokens of finished requests",
                                         fam.COUNTER)
@@ -63,6 +66,9 @@ class TritonMetrics(LoopObserver):
         if s.num_preemptions > self._preemptions_seen:
             self.preemptions.increment(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
+
+    def on_refused(self, reason: str) -> None:
+        self.refused[reason].increment(1)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
