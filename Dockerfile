@@ -41,6 +41,11 @@ RUN python3 -m pip install --no-deps -e .
 # NVIDIA Dynamo (compose profile `dynamo`) in its own venv over this interpreter: the engine's packages are
 # shared, Dynamo stays out of the system site (scripts/dynamo_env.sh, as `make dynamo-venv` does).
 RUN DYNAMO_VENV=/opt/dynamo DYNAMO_SYSTEM_SITE=1 PY=python3 bash scripts/dynamo_env.sh
+# Serve as a user without root: it owns what the server writes, the models volume (a new named volume
+# takes this directory's owner) and the kernel and GEMM caches under /opt/llm/.cache.
+RUN useradd --create-home --shell /usr/sbin/nologin llm && mkdir -p /models /opt/llm/.cache \
+ && chown -R llm:llm /models /opt/llm/.cache
+USER llm
 
 EXPOSE 8000 8001 8002 8080
 CMD ["python3", "-m", "backend.triton.launcher", "--model-repository", "/models/repository"]

@@ -312,3 +312,19 @@ def test_dynamo_frontend_command_parses():
     out = subprocess.run([str(DYNAMO_PYTHON), "-c", code, *args], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["kv", "etcd"]
+
+
+def test_the_image_serves_as_a_user_without_root():
+    users = [args for instr, args in DOCKERFILE if instr == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the image runs as root"
+    last_user = max(i for i, (instr, _) in enumerate(DOCKERFILE) if instr == "USER")
+    assert all(instr != "RUN" for instr, _ in DOCKERFILE[last_user:]), "a RUN after USER would run unprivileged"
+    assert re.search(rf"useradd .*\b{users[-1]}\b", DOCKER_RUN) and "chown -R" in DOCKER_RUN
+    mount, _ = _mount("prepare")
+    assert f"{mount}" in DOCKER_RUN, "the models volume's directory belongs to the user"
+
+
+def test_compose_publishes_only_the_serving_ports():
+    published = {service: [int(p.split(":")[-1]) for p in spec.get("ports", [])] for service, spec in SERVICES.items()}
+    assert {s: p for s, p in published.items() if p} == {
+        "triton": [8000, 8001, 8002], "locust-master": [8089], "dynamo-frontend": [8080]}
