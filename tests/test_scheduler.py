@@ -98,6 +98,32 @@ def test_guaranteed_no_evict_admits_only_what_can_finish():
     assert b.status is Status.FINISHED  # c got in once b's reservation was released
 
 
+def test_a_flooding_tenant_shares_the_batch_with_a_late_one_without_quotas():
+    sched = make(max_num_seqs=4, max_num_batched_tokens=1000)
+    flood = [seq(f"a{i}", 4, tenant="a") for i in range(10)]
+    for s in flood:
+        sched.add(s)
+    advance(sched, sched.schedule())  # a0..a3 run
+    late = seq("b0", 4, tenant="b")
+    sched.add(late)
+    sched.finish(flood[0], FinishReason.STOP)  # one slot frees: the tenant with no running request gets it
+    out = sched.schedule()
+    assert [s.request_id for s, _ in out.scheduled if s.num_computed_tokens == 0] == ["b0"]
+    sched.finish(flood[1], FinishReason.STOP)  # then the queues alternate: a (3 running) vs b (1): b's next
+    sched.add(seq("b1", 4, tenant="b"))
+    advance(sched, out)
+    out = sched.schedule()
+    assert [s.request_id for s, _ in out.scheduled if s.num_computed_tokens == 0] == ["b1"]
+
+
+def test_without_tenants_admission_stays_fcfs():
+    sched = make(max_num_seqs=2)
+    reqs = [seq(f"r{i}", 4) for i in range(4)]
+    for s in reqs:
+        sched.add(s)
+    assert [s.request_id for s, _ in sched.schedule().scheduled] == ["r0", "r1"]
+
+
 def test_tenant_running_quota_skips_to_other_tenants():
     sched = make(tenant_quotas={"t1": TenantQuota(max_running=1)})
     sched.add(seq("a", 4, tenant="t1"))

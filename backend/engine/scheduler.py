@@ -11,13 +11,16 @@ Admission policies, as in TensorRT-LLM's `batch_scheduler_policy`:
 - `guaranteed_no_evict`: admit only while every admitted sequence can reach its maximum length
   (prompt + max_tokens) in the pool; nothing is ever preempted.
 
-Priority: lower value is served first; FCFS within a class. Tenant quotas cap a tenant's running
-sequences and KV blocks; a tenant over its block quota preempts its own newest sequence.
+Priority: lower value is served first; within a class the tenant with the fewest running sequences is
+admitted first (fair share by default), then FCFS. Tenant quotas cap a tenant's running sequences and KV
+blocks; a tenant over its block quota preempts its own newest sequence.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 from backend.engine.config import SchedulerConfig, TenantQuota
@@ -96,6 +99,15 @@ class Scheduler:
 
     # -- policy ---------------------------------------------------------------------------------
 
+    def _next_waiting(self) -> int:
+        """Which waiting sequence to admit next: the best priority class first; within it, the tenant with the
+        fewest running sequences (requests without a tenant are one tenant), then FCFS. So a tenant that floods
+        the queue shares the batch with the others instead of filling it, with no quota set."""
+        best = self.waiting[0].priority
+        running = Counter(s.tenant for s in self.running)
+        same_class = itertools.takewhile(lambda item: item[1].priority == best, enumerate(self.waiting))
+        return min(same_class, key=lambda item: (running[item[1].tenant], item[0]))[0]
+
     def _max_blocks(self, seq: Sequence) -> int:
         max_len = min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)
         return self.kv.blocks_for(max_len)
@@ -141,22 +153,23 @@ class Scheduler:
 
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            i = self._next_waiting()
+            seq = self.waiting[i]
             if self._at_running_quota(seq):
-                skipped.append(self.waiting.pop(0))
+                skipped.append(self.waiting.pop(i))
                 continue
             if self.config.admission_policy == "guaranteed_no_evict" and not self._fits_guarantee(seq):
                 break
             cached = self.kv.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self._within_block_quota(seq, n + len(cached) * self.kv.block_size):
-                skipped.append(self.waiting.pop(0))
+                skipped.append(self.waiting.pop(i))
                 continue
             if not self.kv.allocate(seq, n, cached):
                 break
             seq.num_cached_tokens = len(cached) * self.kv.block_size
             seq.num_computed_tokens += seq.num_cached_tokens
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
