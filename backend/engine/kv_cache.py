@@ -170,9 +170,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         self._update_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        return self._cached_run(seq.block_hashes[:(seq.num_tokens - 1) // self.block_size])
+
+    def _cached_run(self, hashes: list[bytes]) -> list[int]:
+        """The blocks holding these chained hashes, from the first up to the first one not cached."""
         hits = []
-        for block_hash in seq.block_hashes[:max_blocks]:
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -220,13 +223,9 @@ class KVCacheManager:
 
     def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
         """The blocks holding the longest cached run of `token_ids`' full blocks, from the start."""
-        hits = []
-        for block_hash in block_hashes(token_ids, self.block_size) if self.enable_prefix_caching else ():
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        if not self.enable_prefix_caching:
+            return []
+        return self._cached_run(block_hashes(token_ids, self.block_size))
 
     def import_prefix(self, token_ids: list[int], write: Callable[[list[int], list[int]], None]) -> int:
         """Enter the full blocks of `token_ids`, computed elsewhere, into the prefix cache. Blocks already
