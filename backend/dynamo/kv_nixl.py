@@ -1,9 +1,9 @@
 """Moving a prefill's KV blocks with NVIDIA NIXL (UCX backend): the decode worker READs them one-sided.
 
 The same two calls as the TCP transport (backend/dynamo/kv_transport.py): the prefill worker registers each
-export's host buffer with its NIXL agent and hands out, in `disaggregated_params`, its agent metadata
-(~600 bytes) and the buffer's descriptors; the decode worker adds the agent once, READs into a buffer of
-its own and tags the transfer with the export's handle. The tag comes back to the prefill worker as a NIXL
+export's host buffer with its NIXL agent and hands out, in `disaggregated_params`, the agent's connection
+info with that buffer's keys (partial metadata) and the buffer's descriptors; the decode worker loads them,
+READs into a buffer of its own and tags the transfer with the export's handle. The tag comes back to the prefill worker as a NIXL
 notification, and only then is the buffer deregistered and dropped (or after `ttl` seconds, for a decode
 worker that never came). UCX picks shared memory on one host and TCP or RDMA between hosts.
 

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from backend.serving.model_store import MODEL_NAME, resolve_model_dir
@@ -36,9 +36,8 @@ class Cluster:
 
     frontend: subprocess.Popen
     workers: list[subprocess.Popen]
-    log_dir: Path
+    log_dir: Path  # frontend.log, worker0.log, ...
     url: str
-    logs: list[Path] = field(default_factory=list)
 
     def stop(self, grace: float = 10.0) -> None:
         procs = [*self.workers, self.frontend]
@@ -104,12 +103,10 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     log_dir = log_dir or run_dir
 
     def spawn(name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
-        log = log_dir / f"{name}.log"
-        cluster_logs.append(log)
-        return subprocess.Popen([python, "-m", *argv], env={**env, **extra_env}, stdout=log.open("w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([python, "-m", *argv], env={**env, **extra_env},
+                                stdout=(log_dir / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
-    cluster_logs: list[Path] = []
     # --migration-limit: a request whose worker dies mid-stream continues on another worker
     conditional = ["--router-conditional-disagg", "--router-conditional-disagg-config", conditional_disagg] \
         if conditional_disagg else []
@@ -120,7 +117,7 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
                                   "--served-model-name", served_model_name, *worker_args],
                    DYN_SYSTEM_PORT=str(http_port + 1 + i))
              for i, role in enumerate(roles)]
-    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", cluster_logs)
+    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}")
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
@@ -141,8 +138,8 @@ def wait_ready(cluster: Cluster, model: str, workers: int, timeout: float = 300.
     while time.monotonic() < deadline:
         for name, p in [("frontend", cluster.frontend), *((f"worker{i}", w) for i, w in enumerate(cluster.workers))]:
             if p.poll() is not None:
-                log = next((f for f in cluster.logs if f.stem == name), None)
-                tail = log.read_text()[-3000:] if log and log.exists() else ""
+                log = cluster.log_dir / f"{name}.log"
+                tail = log.read_text()[-3000:] if log.exists() else ""
                 raise RuntimeError(f"{name} exited with code {p.returncode} before the cluster was ready; "
                                    f"its log ({log}) ends:\n{tail}")
         try:

@@ -9,15 +9,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from backend.engine.engine import EngineStats
 from backend.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from backend.serving.engine_thread import LoopObserver
-
-LOG = logging.getLogger(__name__)
-
 
 def block_id64(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[:8], "little", signed=True)
