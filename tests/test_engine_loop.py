@@ -9,7 +9,7 @@ import pytest
 
 from backend.serving.detokenize import decode_text
 from backend.engine import EngineConfig, LLMEngine
-from backend.serving.engine_thread import EngineDeadError, EngineLoop, Submission
+from backend.serving.engine_thread import EngineDeadError, EngineLoop, LoopObserver, Submission
 from backend.serving.request import GenerationRequest
 from backend.engine.sampling import SamplingParams
 from backend.serving.tokenizer import load_tokenizer
@@ -166,6 +166,31 @@ def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_
     assert not loop.alive
     with pytest.raises(EngineDeadError, match="not running"):
         submit(loop)
+    loop.shutdown()
+
+
+class Beats(LoopObserver):
+    def __init__(self):
+        self.beats: list[float] = []
+
+    def on_heartbeat(self, last_round: float) -> None:
+        self.beats.append(last_round)
+
+
+def test_the_heartbeat_goes_on_while_idle_and_turns_negative_when_the_loop_dies(tiny_model_dir):
+    config = EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)
+    runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.cache.block_size), fail_at=3)
+    observer = Beats()
+    loop = EngineLoop(lambda: LLMEngine(config, runner=runner), observer=observer).start()
+    assert observer.beats and observer.beats[0] > 0  # one before start() returns, i.e. before Triton's ready
+    time.sleep(2.5)
+    idle = list(observer.beats)
+    assert len(idle) >= 3 and idle == sorted(idle) and time.time() - idle[-1] < 1.5
+    assert submit(loop, max_tokens=50).done.wait(60)  # fails at the third step
+    deadline = time.monotonic() + 5
+    while observer.beats[-1] != -1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert observer.beats[-1] == -1 and not loop.alive
     loop.shutdown()
 
 

@@ -9,6 +9,9 @@ died, shutdown). If the loop dies, it fails everything in flight and `alive` tur
 loop queued them. A Triton response send is a synchronous round trip to the server process (and each
 metric update another): on the engine thread they held up the next step, and with it both OpenMP
 threads, for about 5 % of a busy loop's time. The output thread waits for them while the next step runs.
+It also reports the loop's heartbeat about once a second (`LoopObserver.on_heartbeat`): the time the loop
+last went round, which stands still while a step runs and turns -1 once the loop has died, so a supervisor
+outside the process tells a dead or wedged engine from a busy one.
 
 The loop thread also builds the engine, so every OpenMP parallel region of the process starts from this
 one thread. Each thread that starts one gets its own libgomp worker pool, and once a process has more
@@ -38,6 +41,7 @@ from backend.serving.request import GenerationRequest
 from backend.engine.sequence import FinishReason
 
 LOG = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
 
 
 @dataclass
@@ -75,6 +79,10 @@ class LoopObserver:
     def on_kv_events(self, events: list[KVEvent]) -> None:
         """Prefix-cache stores and evictions of one step, in order (only with `enable_kv_events`)."""
 
+    def on_heartbeat(self, last_round: float) -> None:
+        """About once a second: the Unix time the loop last went round (admission, cancellations, a step
+        ended); -1 once it has died."""
+
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], LLMEngine], tokenizer=None,
@@ -84,6 +92,7 @@ class EngineLoop:
         self.tokenizer = tokenizer  # needed for stop strings
         self.observer = observer or LoopObserver()
         self.error: BaseException | None = None
+        self.last_round = 0.0  # Unix time the loop last went round
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, Submission] = {}
         self._ids = itertools.count()
@@ -100,6 +109,7 @@ class EngineLoop:
         self._built.wait()
         if self.engine is None:
             raise EngineDeadError(f"building the engine failed: {self.error!r}") from self.error
+        self.observer.on_heartbeat(time.time())  # the first, before the server reports ready
         return self
 
     @property
@@ -142,6 +152,7 @@ class EngineLoop:
         busy = False
         try:
             while not self._stopping.is_set():
+                self.last_round = time.time()
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 self._poll_cancellations()
                 if busy and not self.engine.has_unfinished():  # an abort frees blocks without a step
@@ -245,10 +256,21 @@ class EngineLoop:
                 self._inbox.put(("abort", sub.engine_id))
 
     def _send_outputs(self) -> None:
-        """The output thread: runs what the loop queued, in order, until shutdown's sentinel."""
-        while (task := self._outbox.get()) is not None:
+        """The output thread: runs what the loop queued, in order, until shutdown's sentinel; between tasks,
+        the heartbeat."""
+        beat_at = 0.0
+        while True:
+            try:
+                task = self._outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                task = _no_task
+            if task is None:
+                return
             try:
                 task()
+                if self._built.is_set() and time.monotonic() - beat_at >= HEARTBEAT_S:
+                    beat_at = time.monotonic()
+                    self.observer.on_heartbeat(self.last_round if self.alive else -1.0)
             except Exception:  # noqa: BLE001 - an observer's error must not stop the outputs
                 LOG.exception("output thread task failed")
 
@@ -271,6 +293,9 @@ class EngineLoop:
         for engine_id, sub in list(self._active.items()):
             del self._active[engine_id]
             self._outbox.put(functools.partial(_safe_fail, sub, err))
+
+
+def _no_task() -> None: ...
 
 
 def _safe_fail(sub: Submission, err: Exception) -> None:

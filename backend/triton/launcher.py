@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from backend.triton.supervisor import STUB, Supervisor
+
 LOG = logging.getLogger(__name__)
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
-STUB = "triton_python_backend_stub"
 MiB = 1024 * 1024
 # OpenMP workers sleep at barriers instead of spinning. Measured on 2 cores (a 40-request burst, SmolLM2):
 # spinning (libgomp's default) serves 14 % more tok/s when the server has the cores to itself, but with
@@ -235,10 +236,22 @@ class TritonServer:
             time.sleep(0.1)
         raise TimeoutError(f"tritonserver not ready in {timeout:.0f}s; {self.log_path}:\n{self.log_tail()}")
 
-    def wait(self) -> int:
-        """Block until tritonserver exits by itself; its exit code."""
+    @property
+    def pid(self) -> int:
         assert self._proc is not None, "not started"
-        return self._proc.wait()
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        """Its exit code, None while it runs."""
+        assert self._proc is not None, "not started"
+        return self._proc.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the server and its stubs (its process group) at once; stop() still cleans up."""
+        assert self._proc is not None, "not started"
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
 
     def stop(self) -> None:
         """SIGTERM (graceful), SIGKILL to the process group if that hangs, then drop leftover shm regions."""
@@ -295,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restart a tritonserver that exits by itself, after 1, 2, 4 .. 30 s; the count starts "
                              "again after 10 minutes up; -1: always, 0: never")
+    parser.add_argument("--stall-timeout", type=float, default=30.0,
+                        help="restart a tritonserver whose engine loop has not gone round for this long (a step "
+                             "running longer counts as wedged), or whose python backend stub died; 0: only the latter")
     parser.add_argument("--auto-complete-config", action="store_true",
                         help="let Triton complete configs (it then loads each python model twice; ours are complete)")
     args = parser.parse_args(argv[:split])
@@ -317,18 +333,19 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"tritonserver restarted, ready in {elapsed:.1f}s", file=sys.stderr, flush=True)
             up_since = time.monotonic()
-            code = server.wait()
+            why = Supervisor(server, args.stall_timeout).wait()
+            code = server.poll()
             tail = server.log_tail(15)
             server.stop()
             if time.monotonic() - up_since > STABLE_S:
                 restarts = 0
             if 0 <= args.max_restarts <= restarts:
-                print(f"tritonserver exited with {code}; not restarting it (--max-restarts {args.max_restarts}); "
-                      f"its log ends:\n{tail}", file=sys.stderr)
+                print(f"{why}; not restarting it (--max-restarts {args.max_restarts}); its log ends:\n{tail}",
+                      file=sys.stderr)
                 return code or 1
             restarts += 1
             delay = min(30.0, 2.0 ** (restarts - 1))
-            print(f"tritonserver exited with {code}; its log ends:\n{tail}\nrestarting it in {delay:.0f} s "
+            print(f"{why}; its log ends:\n{tail}\nrestarting it in {delay:.0f} s "
                   f"(restart {restarts}{'' if args.max_restarts < 0 else f' of {args.max_restarts}'})",
                   file=sys.stderr, flush=True)
             time.sleep(delay)

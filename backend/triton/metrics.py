@@ -47,6 +47,8 @@ class TritonMetrics(LoopObserver):
                            fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
         self.itl = metric("llm_inter_token_latency_seconds", "Between consecutive tokens of a request",
                           fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.heartbeat = metric("llm_engine_heartbeat_timestamp_seconds", "Unix time the engine loop last went "
+                                "round (it stands still while a step runs); 0: not yet reported; -1: the loop has died", fam.GAUGE)
         self._preemptions_seen = 0
 
     def on_step(self, s: EngineStats, step_seconds: float) -> None:
@@ -66,6 +68,9 @@ class TritonMetrics(LoopObserver):
         if s.num_preemptions > self._preemptions_seen:
             self.preemptions.increment(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
+
+    def on_heartbeat(self, last_round: float) -> None:
+        self.heartbeat.set(last_round)
 
     def on_refused(self, reason: str) -> None:
         self.refused[reason].increment(1)

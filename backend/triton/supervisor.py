@@ -1,0 +1,92 @@
+"""Watch a running tritonserver for the faults Triton does not notice, so the launcher can start it again.
+
+- A python backend stub that died. Triton 2.51 restarts a non-decoupled model's stub on its next request but
+  never a decoupled one's (llm, llm_bls): after `kill -9` of llm's stub every request failed with "Stub process
+  'llm_0_0' is not healthy" for as long as we watched, streams in flight never ended, and /v2/health/ready
+  kept answering 200. Reloading the model through the model-control API brings it back in ~5 s, but the dead
+  stub's streams still never end and its instance stays UNLOADING forever, holding them.
+- An engine loop that died or stopped going round: the llm model's heartbeat gauge (see
+  backend/serving/engine_thread.py) is -1 or older than the stall timeout.
+
+Such a server is killed, not stopped gracefully (its in-flight requests can never finish): their clients get a
+broken connection at once, and the ready endpoint answers nothing until the new server is ready.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backend.triton.launcher import TritonServer
+
+STUB = "triton_python_backend_stub"
+HEARTBEAT = "llm_engine_heartbeat_timestamp_seconds"
+
+
+def stub_processes(server_pid: int) -> dict[str, int]:
+    """Model instance name (e.g. llm_0_0) -> pid, for each live python backend stub of this server."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            args = (stat.parent / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(ppid) == server_pid and state != "Z" and args[0].endswith(STUB.encode()):
+            found[args[-2].decode()] = int(stat.parent.name)  # the stub's arguments end "<instance> <runtime>"
+    return found
+
+
+def heartbeats(metrics_text: str) -> dict[str, float]:
+    """Model label -> the engine loop's heartbeat, from a Prometheus scrape."""
+    beats = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(HEARTBEAT + "{"):
+            labels, value = line[len(HEARTBEAT) + 1:].rsplit("} ", 1)
+            model = next((kv.split("=", 1)[1].strip('"') for kv in labels.split(",") if kv.startswith("model=")), "")
+            beats[model] = float(value)
+    return beats
+
+
+@dataclass
+class Supervisor:
+    server: TritonServer
+    stall_timeout_s: float = 30.0  # a step may take this long before the engine counts as wedged; 0: no check
+    poll_s: float = 1.0
+    _stubs: dict[str, int] = field(default_factory=dict, init=False)
+
+    def wait(self) -> str:
+        """Block until the server exits or turns unhealthy (it is then killed); why, for the log."""
+        self._stubs = stub_processes(self.server.pid)
+        while self.server.poll() is None:
+            time.sleep(self.poll_s)
+            if (reason := self.check()) and self.server.poll() is None:
+                self.server.kill()
+                return f"{reason}: killed tritonserver"
+        return f"tritonserver exited with {self.server.poll()}"
+
+    def check(self) -> str | None:
+        """Why the server cannot serve, or None."""
+        live = stub_processes(self.server.pid)
+        for name, pid in self._stubs.items():
+            if name not in live:
+                return f"the python backend stub of {name} (pid {pid}) died"
+        self._stubs = live  # Triton may have restarted a non-decoupled model's stub under a new pid
+        if self.stall_timeout_s <= 0:
+            return None
+        try:
+            with urllib.request.urlopen(self.server.url_metrics, timeout=5) as resp:
+                beats = heartbeats(resp.read().decode())
+        except OSError:
+            return None  # no judgement from a busy or metrics-less server
+        for model, last in beats.items():
+            if last < 0:
+                return f"the engine loop of {model} died"
+            if last > 0 and (stalled := time.time() - last) > self.stall_timeout_s:
+                return f"the engine loop of {model} has not gone round for {stalled:.0f} s (stall timeout " \
+                       f"{self.stall_timeout_s:.0f} s)"
+        return None

@@ -1,0 +1,142 @@
+"""The launcher's supervisor on the real model repository (tiny Llama): a killed or frozen llm stub turns the
+server not-ready, in-flight streams end with an error, and the server serves again well within 60 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from backend.triton.launcher import free_ports
+from backend.triton.repository import configure_repository
+from backend.triton.supervisor import stub_processes
+from client.client import LLMClient
+from tests.conftest import LLM_TEST_SETTINGS, SERVED_MODELS
+
+RECOVERY_S = 60.0  # the issue's bound; a restart of this server takes ~10 s
+
+
+@dataclass
+class Launched:
+    proc: subprocess.Popen
+    http: int
+    grpc: int
+    output: list[str]  # the launcher's lines so far (read by a thread: a full pipe would block the launcher)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=1) as resp:
+                return resp.status == 200
+        except (OSError, urllib.error.HTTPError):
+            return False
+
+    def llm_stub(self) -> int:
+        (server,) = map(int, subprocess.run(["pgrep", "-P", str(self.proc.pid), "tritonserver"],
+                                            capture_output=True, text=True).stdout.split())
+        return stub_processes(server)["llm_0_0"]
+
+
+@pytest.fixture
+def launched(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Launched]:
+    params = {m: {"model": str(tiny_model_dir)} for m in SERVED_MODELS}
+    params["llm"].update(LLM_TEST_SETTINGS)
+    repo = configure_repository(tmp_path / "repo", params, models=list(SERVED_MODELS))
+    http, grpc, metrics = free_ports(3)
+    cmd = [sys.executable, "-m", "backend.triton.launcher", "--model-repository", str(repo),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--log-file", str(tmp_path / "server.log"), "--stall-timeout", "5", "--", "--disable-auto-complete-config"]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    launched = Launched(proc, http, grpc, output)
+    _printed_until(launched, "Ctrl-C to stop")
+    try:
+        yield launched
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _streams_then(launched: Launched, fault, n: int = 4) -> tuple[list[threading.Thread], list[dict], float]:
+    """n long streams on the ensemble; `fault()` runs as soon as one of them has its first chunk (the tiny
+    model makes 1,000 tokens in about a second). The threads, what each stream ended with, the fault's time."""
+    results: list[dict] = [{} for _ in range(n)]
+    first = threading.Event()
+
+    def run(ended: dict) -> None:
+        with LLMClient(f"127.0.0.1:{launched.grpc}") as client:
+            try:
+                for chunk in client.stream("Hello there", timeout=120, max_tokens=1000, ignore_eos=True,
+                                          stream=True):
+                    first.set()
+                    if chunk.final:
+                        ended["final"] = time.monotonic()
+            except Exception as err:  # noqa: BLE001 - what the test looks at
+                ended["error"], ended["at"] = err, time.monotonic()
+
+    threads = [threading.Thread(target=run, args=(ended,), daemon=True) for ended in results]
+    for thread in threads:
+        thread.start()
+    assert first.wait(30)
+    fault()
+    return threads, results, time.monotonic()
+
+
+def _recovery(launched: Launched, fault_at: float) -> tuple[float, float]:
+    """(first not-ready, ready again) seconds after the fault, polled every 0.1 s; then one request is served."""
+    not_ready = None
+    while time.monotonic() - fault_at < RECOVERY_S:
+        ready = launched.ready()
+        if not ready and not_ready is None:
+            not_ready = time.monotonic() - fault_at
+        if ready and not_ready is not None:
+            with LLMClient(f"127.0.0.1:{launched.grpc}") as client:
+                assert client.generate("Hello there", max_tokens=4).text
+            return not_ready, time.monotonic() - fault_at
+        time.sleep(0.1)
+    raise AssertionError(f"not serving {RECOVERY_S:.0f} s after the fault (not ready after {not_ready} s)")
+
+
+def _printed_until(launched: Launched, text: str, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in launched.output):
+        assert time.monotonic() < deadline and launched.proc.poll() is None, "".join(launched.output)
+        time.sleep(0.1)
+    return "".join(launched.output)
+
+
+def test_a_killed_llm_stub_is_reported_and_the_server_restarted(launched: Launched) -> None:
+    stub = launched.llm_stub()
+    threads, results, killed_at = _streams_then(launched, lambda: os.kill(stub, signal.SIGKILL))
+    not_ready, serving = _recovery(launched, killed_at)
+    for thread, ended in zip(threads, results):
+        thread.join(10)
+        assert "error" in ended and "final" not in ended, ended  # one final error, not a hang
+        assert ended["at"] - killed_at < 5, ended
+    assert not_ready < 5 and serving < RECOVERY_S
+    assert f"the python backend stub of llm_0_0 (pid {stub}) died: killed tritonserver" in \
+        _printed_until(launched, "tritonserver restarted")
+
+
+def test_a_frozen_engine_is_reported_and_the_server_restarted(launched: Launched) -> None:
+    stub = launched.llm_stub()
+    os.kill(stub, signal.SIGSTOP)  # alive to the process table, but its loop no longer goes round
+    frozen_at = time.monotonic()
+    not_ready, serving = _recovery(launched, frozen_at)
+    assert not_ready < 15 and serving < RECOVERY_S  # the test's --stall-timeout is 5 s
+    assert "the engine loop of llm has not gone round for" in _printed_until(launched, "tritonserver restarted")
