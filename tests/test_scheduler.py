@@ -116,6 +116,38 @@ def test_a_flooding_tenant_shares_the_batch_with_a_late_one_without_quotas():
     assert [s.request_id for s, _ in out.scheduled if s.num_computed_tokens == 0] == ["b1"]
 
 
+def test_a_full_batch_makes_room_for_a_tenant_below_its_share():
+    sched = make(max_num_seqs=4, max_num_batched_tokens=1000)
+    flood = [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(10)]
+    for s in flood:
+        sched.add(s)
+    advance(sched, sched.schedule())  # a0..a3 fill the batch
+    sched.add(seq("b0", 4, tenant="b"))
+    out = sched.schedule()  # b is below its share (4 / 2 tenants), a above: a's newest makes room
+    assert [s.request_id for s in out.preempted] == ["a3"]
+    assert [s.request_id for s, _ in out.scheduled if s.num_computed_tokens == 0] == ["b0"]
+    advance(sched, out)
+    sched.add(seq("b1", 4, tenant="b"))
+    out = sched.schedule()  # b is still below its share: one more of a's
+    assert [s.request_id for s in out.preempted] == ["a2"]
+    advance(sched, out)
+    sched.add(seq("b2", 4, tenant="b"))
+    out = sched.schedule()  # b runs its share (2 of 4): no more preemption, b2 waits
+    assert not out.preempted and {s.request_id for s in sched.running} == {"a0", "a1", "b0", "b1"}
+
+
+def test_blocks_short_preempt_the_heaviest_tenant_not_the_newest_sequence():
+    sched = make(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=1000)
+    a = [seq(f"a{i}", 8, max_tokens=100, tenant="a") for i in range(3)]
+    b = seq("b0", 8, max_tokens=100, tenant="b")
+    for s in (*a, b):
+        sched.add(s)
+    out = sched.schedule()  # 2 blocks each: the pool is full
+    advance(sched, out)
+    out = sched.schedule()  # every sequence needs a third block: a's newest goes, not b0 (the newest)
+    assert out.preempted and all(s.tenant == "a" for s in out.preempted) and b.status is Status.RUNNING
+
+
 def test_without_tenants_admission_stays_fcfs():
     sched = make(max_num_seqs=2)
     reqs = [seq(f"r{i}", 4) for i in range(4)]

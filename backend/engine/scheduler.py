@@ -12,8 +12,14 @@ Admission policies, as in TensorRT-LLM's `batch_scheduler_policy`:
   (prompt + max_tokens) in the pool; nothing is ever preempted.
 
 Priority: lower value is served first; within a class the tenant with the fewest running sequences is
-admitted first (fair share by default), then FCFS. Tenant quotas cap a tenant's running sequences and KV
-blocks; a tenant over its block quota preempts its own newest sequence.
+admitted first (fair share by default), then FCFS. Ordering alone is not enough once one tenant's flood fills
+`max_num_seqs`: a late tenant then waits for one of the flood's sequences to end (measured: 66x its solo TTFT
+at p99). So under `max_utilization`, when the batch is full and the next waiting sequence's tenant runs fewer
+than its fair share (max_num_seqs over the tenants with work), the newest sequence of the tenant furthest over
+its share is preempted (recompute; its full blocks stay in the prefix cache) to make room. Running sequences
+are scheduled lightest tenant first, so when the pool runs short of blocks the victim (the tail) is also the
+heaviest tenant's newest sequence. Tenant quotas cap a tenant's running sequences and KV blocks;
+a tenant over its block quota preempts its own newest sequence.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ class Scheduler:
         self.max_model_len = max_model_len  # the config's, resolved against the model and the pool
         self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []  # sorted by Sequence.order_key
-        self.running: list[Sequence] = []  # sorted by Sequence.order_key at each step
+        self.running: list[Sequence] = []  # sorted at each step: priority, lightest tenant, arrival
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -116,6 +122,24 @@ class Scheduler:
         reserved = sum(self._max_blocks(s) for s in self.running)
         return reserved + self._max_blocks(seq) <= self.kv.num_blocks
 
+    def _preempt_for_share(self) -> Sequence | None:
+        """Make room in a full batch for the next waiting sequence when its tenant is below its fair share and
+        another tenant is above it: that tenant's newest sequence, of a priority no better than the waiting
+        one's, is preempted."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs \
+                or self.config.admission_policy != "max_utilization":
+            return None
+        seq = self.waiting[self._next_waiting()]
+        running = Counter(s.tenant for s in self.running)
+        share = self.config.max_num_seqs / len(running.keys() | {s.tenant for s in self.waiting})
+        heavy, count = running.most_common(1)[0]
+        if running[seq.tenant] + 1 > share or count <= share or self._at_running_quota(seq):
+            return None
+        victim = next((s for s in reversed(self.running) if s.tenant == heavy and s.priority >= seq.priority), None)
+        if victim is not None:
+            self._preempt(victim)
+        return victim
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
@@ -130,7 +154,10 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
 
-        self.running.sort(key=Sequence.order_key)
+        tenant_load = Counter(s.tenant for s in self.running)  # light tenants first, so victims come from heavy ones
+        self.running.sort(key=lambda s: (s.priority, tenant_load[s.tenant], s.arrival_index))
+        if (victim := self._preempt_for_share()) is not None:
+            preempted.append(victim)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -141,14 +168,14 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            # Short of blocks: preempt from the tail (lowest priority, newest), within the tenant
-            # when it is the tenant's quota that is short. The tail is never already scheduled.
+            # Short of blocks: preempt from the tail (lowest priority, heaviest tenant, newest), within the
+            # tenant when it is the tenant's quota that is short. The tail is never already scheduled.
             candidates = [s for s in self.running[i:] if quota_ok or s.tenant == seq.tenant]
             victim = candidates[-1]
             self._preempt(victim)
             preempted.append(victim)
 
-        if preempted:  # the pool is short: admitting now would only preempt again
+        if len(preempted) > (victim is not None):  # the pool is short: admitting now would only preempt again
             return SchedulerOutput(scheduled, preempted)
 
         skipped: list[Sequence] = []
