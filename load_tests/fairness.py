@@ -23,7 +23,7 @@ from load_tests.machine import cpu_summary
 def ttfts(url: str, n: int, max_tokens: int) -> list[float]:
     with LLMClient(url) as client:
         return [client.generate(f"Tenant b, question {i}: say something.", max_tokens=max_tokens,
-                                tenant="b", ignore_eos=True).ttft for i in range(n)]
+                                tenant="b", ignore_eos=True, stream=True).ttft for i in range(n)]
 
 
 def engine_queues(metrics_url: str) -> tuple[float, float]:

@@ -148,6 +148,20 @@ def test_blocks_short_preempt_the_heaviest_tenant_not_the_newest_sequence():
     assert out.preempted and all(s.tenant == "a" for s in out.preempted) and b.status is Status.RUNNING
 
 
+def test_a_tenant_below_its_share_is_admitted_while_the_pool_is_short():
+    sched = make(num_blocks=8, block_size=4, max_num_seqs=6, max_num_batched_tokens=1000)
+    flood = [seq(f"a{i}", 8, max_tokens=100, tenant="a") for i in range(6)]
+    for s in flood:
+        sched.add(s)
+    advance(sched, sched.schedule())  # a0..a3 hold every block; a4, a5 wait
+    late = seq("b0", 8, tenant="b")
+    sched.add(late)
+    out = sched.schedule()  # a runs 4 of 6 slots, above its share of 3: b0's blocks come from a's newest, now
+    assert late.status is Status.RUNNING and (late, 8) in out.scheduled
+    assert out.preempted and all(s.tenant == "a" for s in out.preempted)
+    assert sched.kv.num_used_blocks == sum(len(s.block_ids) for s in sched.running)
+
+
 def test_without_tenants_admission_stays_fcfs():
     sched = make(max_num_seqs=2)
     reqs = [seq(f"r{i}", 4) for i in range(4)]

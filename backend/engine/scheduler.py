@@ -122,23 +122,59 @@ class Scheduler:
         reserved = sum(self._max_blocks(s) for s in self.running)
         return reserved + self._max_blocks(seq) <= self.kv.num_blocks
 
-    def _preempt_for_share(self) -> Sequence | None:
-        """Make room in a full batch for the next waiting sequence when its tenant is below its fair share and
-        another tenant is above it: that tenant's newest sequence, of a priority no better than the waiting
-        one's, is preempted."""
-        if not self.waiting or len(self.running) < self.config.max_num_seqs \
-                or self.config.admission_policy != "max_utilization":
-            return None
-        seq = self.waiting[self._next_waiting()]
+    def _heavier_tenant(self, seq: Sequence) -> str | None:
+        """The tenant running above its fair share (max_num_seqs over the tenants with work), when `seq`'s tenant
+        runs below it: the one `seq` may take a slot and blocks from."""
         running = Counter(s.tenant for s in self.running)
+        if not running:
+            return None
         share = self.config.max_num_seqs / len(running.keys() | {s.tenant for s in self.waiting})
         heavy, count = running.most_common(1)[0]
-        if running[seq.tenant] + 1 > share or count <= share or self._at_running_quota(seq):
-            return None
-        victim = next((s for s in reversed(self.running) if s.tenant == heavy and s.priority >= seq.priority), None)
-        if victim is not None:
+        return heavy if running[seq.tenant] + 1 <= share < count else None
+
+    def _admit_below_share(self, budget: int, scheduled: list[tuple[Sequence, int]],
+                           preempted: list[Sequence]) -> int:
+        """Before anything else this step, admit waiting sequences whose tenant runs below its fair share while
+        another runs above it. Tokens scheduled."""
+        used = 0
+        while self.waiting and used < budget and self.config.admission_policy == "max_utilization":
+            seq = self.waiting[self._next_waiting()]
+            heavy = self._heavier_tenant(seq)
+            if heavy is None or self._at_running_quota(seq):
+                break
+            if not (n := self._take_room(seq, heavy, budget - used, preempted)):
+                break
+            scheduled.append((seq, n))
+            used += n
+        return used
+
+    def _take_room(self, seq: Sequence, heavy: str | None, budget: int, preempted: list[Sequence]) -> int:
+        """Admit `seq`, preempting `heavy`'s newest sequences (of no better priority) for the slot and the blocks
+        while `heavy` keeps more running than `seq`'s tenant; the first chunk's size, 0 if it did not fit."""
+        cached = self.kv.find_cached_prefix(seq)
+        while True:
+            if len(self.running) < self.config.max_num_seqs and (n := self._allocate_first_chunk(seq, budget, cached)):
+                return n
+            running = Counter(s.tenant for s in self.running)
+            victims = [s for s in self.running if s.tenant == heavy and s.priority >= seq.priority]
+            if not victims or running[heavy] <= running[seq.tenant] + 1:
+                return 0
+            victim = max(victims, key=Sequence.order_key)
             self._preempt(victim)
-        return victim
+            preempted.append(victim)
+
+    def _allocate_first_chunk(self, seq: Sequence, budget: int, cached: list[int]) -> int:
+        """Move a waiting sequence to running with the blocks of its first chunk after its `cached` prefix
+        blocks; the chunk's size, 0 when the pool is short."""
+        n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
+        if not self.kv.allocate(seq, n, cached):
+            return 0
+        seq.num_cached_tokens = len(cached) * self.kv.block_size
+        seq.num_computed_tokens += seq.num_cached_tokens
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -154,13 +190,17 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
 
+        budget -= self._admit_below_share(budget, scheduled, preempted)
+        fresh = {id(seq) for seq, _ in scheduled}
+        num_share_victims = len(preempted)
         tenant_load = Counter(s.tenant for s in self.running)  # light tenants first, so victims come from heavy ones
         self.running.sort(key=lambda s: (s.priority, tenant_load[s.tenant], s.arrival_index))
-        if (victim := self._preempt_for_share()) is not None:
-            preempted.append(victim)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if id(seq) in fresh:
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             quota_ok = self._within_block_quota(seq, n)
             if quota_ok and self.kv.allocate(seq, n):
@@ -175,7 +215,7 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
 
-        if len(preempted) > (victim is not None):  # the pool is short: admitting now would only preempt again
+        if len(preempted) > num_share_victims:  # the pool is short: admitting now would only preempt again
             return SchedulerOutput(scheduled, preempted)
 
         skipped: list[Sequence] = []
@@ -188,17 +228,12 @@ class Scheduler:
             if self.config.admission_policy == "guaranteed_no_evict" and not self._fits_guarantee(seq):
                 break
             cached = self.kv.find_cached_prefix(seq)
-            n = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
-            if not self._within_block_quota(seq, n + len(cached) * self.kv.block_size):
+            cached_tokens = len(cached) * self.kv.block_size
+            if not self._within_block_quota(seq, min(seq.num_tokens - cached_tokens, budget) + cached_tokens):
                 skipped.append(self.waiting.pop(i))
                 continue
-            if not self.kv.allocate(seq, n, cached):
+            if not (n := self._allocate_first_chunk(seq, budget, cached)):
                 break
-            seq.num_cached_tokens = len(cached) * self.kv.block_size
-            seq.num_computed_tokens += seq.num_cached_tokens
-            self.waiting.pop(i)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
         for seq in skipped:
