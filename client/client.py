@@ -80,7 +80,7 @@ class LLMClient:
     no request id, so requests sharing a stream could not tell their errors apart). Use one client per
     concurrent request."""
 
-    def __init__(self, url: str = "localhost:8001", model: str = "ensemble"):
+    def __init__(self, url: str = "localhost:8001", model: str = "llm_bls"):
         self.model = model
         self._grpc = grpcclient.InferenceServerClient(url)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
