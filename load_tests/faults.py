@@ -7,8 +7,13 @@ Checks, in the order given, each printing its numbers (the CPU first):
   "overloaded" (and the refusal counter's increase), failed otherwise, or got no final response.
 - kill: streams in flight, then SIGKILL of the llm model's python stub; how the streams ended, and the seconds
   until /v2/health/ready stops answering 200, answers again, and a request is served.
+- storm (not in the default set; for --storm-minutes): rounds of 16 bad requests at once, then 24 llm_bls
+  streams of which half are abandoned after their first chunk; counts rounds, tritonserver restarts (the
+  python backend's `boost::interprocess::lock_exception` abort seen once in five such storms on a Zen 3) and
+  requests that got no final response.
 
     .venv/bin/python -m load_tests.faults [--checks fairness,overload,kill] [--flood 48] [--burst 400]
+    .venv/bin/python -m load_tests.faults --checks storm --storm-minutes 60
 """
 
 from __future__ import annotations
@@ -178,7 +183,53 @@ def kill(args: argparse.Namespace) -> None:
           f"ready again after {fmt(back)}, a request served after {fmt(served)}")
 
 
-CHECKS = {"fairness": fairness, "overload": overload, "kill": kill}
+# -- storm ----------------------------------------------------------------------------------------------------
+
+BAD = [dict(top_p=5.0), dict(max_tokens=-1), dict(temperature=-1.0), dict(top_k=-3), dict(min_tokens=10**6)]
+
+
+def storm(args: argparse.Namespace) -> None:
+    port = int(args.http_url.rsplit(":", 1)[1])
+    pid, restarts, rounds = server_pid(port), 0, 0
+    outcome: Counter[str] = Counter()
+
+    def bad(i: int) -> None:
+        with LLMClient(args.url) as client:
+            try:
+                client.generate("Bad request.", **BAD[i % len(BAD)])
+                outcome["bad request served"] += 1
+            except Exception as err:  # noqa: BLE001 - counted by kind
+                outcome["timeout" if isinstance(err, TimeoutError) else "bad request refused"] += 1
+
+    def stream(i: int) -> None:
+        with LLMClient(args.url) as client:
+            try:
+                chunks = client.stream(f"Storm {i}: write at length.", max_tokens=200, ignore_eos=True,
+                                       stream=True, timeout=60)
+                for n, _ in enumerate(chunks):
+                    if i % 2 and n == 0:
+                        chunks.close()  # the client leaves: stream cancelled (and `stop` sent)
+                        outcome["abandoned"] += 1
+                        return
+                outcome["finished"] += 1
+            except Exception as err:  # noqa: BLE001 - counted by kind
+                outcome["no final response" if type(err).__name__ == "Empty" else "failed"] += 1
+
+    deadline = time.monotonic() + args.storm_minutes * 60
+    while time.monotonic() < deadline:
+        for thread in in_threads(bad, 16) + in_threads(stream, 24):
+            thread.join(120)
+        rounds += 1
+        if not ready(args.http_url) or server_pid(port) != pid:
+            restarts += 1
+            while not ready(args.http_url):
+                time.sleep(0.5)
+            pid = server_pid(port)
+    print(f"storm: {rounds} rounds in {args.storm_minutes:g} min ({rounds * 40} requests): {restarts} tritonserver "
+          f"restarts; {', '.join(f'{n} {k}' for k, n in outcome.most_common())}")
+
+
+CHECKS = {"fairness": fairness, "overload": overload, "kill": kill, "storm": storm}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--burst", type=int, default=400, help="overload: concurrent requests")
     p.add_argument("--recovery-timeout", type=float, default=120.0)
+    p.add_argument("--storm-minutes", type=float, default=5.0)
     args = p.parse_args(argv)
     checks = args.checks.split(",")
     if unknown := set(checks) - CHECKS.keys():
