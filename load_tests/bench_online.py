@@ -2,7 +2,7 @@
 too, and optionally vLLM's OpenAI server, on one model and one workload.
 
 Systems, one at a time (each alone on the CPU):
-  ours    tritonserver on model_repository (preprocessing -> llm -> postprocessing ensemble), default settings
+  ours    tritonserver on model_repository (--endpoint llm_bls, the default, or the ensemble), default settings
   static  tritonserver serving load_tests/static_hf: HF `generate` on batches of up to 8 formed from the
           requests that have arrived (load_tests/static_batcher.py); same client, same streaming path
   vllm    (--vllm) vLLM's OpenAI server from .venv-vllm (load_tests/vllm_env.sh), /v1/completions with
@@ -64,7 +64,7 @@ from load_tests.machine import cpu_summary
 from load_tests.workload import Request, make_workload, model_vocab, save_workload
 
 HERE = Path(__file__).resolve().parent
-SERVED = ["preprocessing", "llm", "postprocessing", "ensemble"]
+SERVED = ["preprocessing", "llm", "postprocessing", "ensemble", "llm_bls"]
 SYSTEMS = ("ours", "static", "vllm")
 TTFT_SLO_S = 2.0  # "sustainable": TTFT p99 at or under this, and no failures
 TARGET_OVERHEAD = 0.85  # served tok/s at saturation over offline engine tok/s
@@ -466,6 +466,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop new arrivals of a rate after this")
     p.add_argument("--request-timeout", type=float, default=300.0, help="longest wait for any one response")
     p.add_argument("--systems", default="ours,static", help="comma list from ours,static")
+    p.add_argument("--endpoint", default="llm_bls", choices=["llm_bls", "ensemble"], help="our model clients call")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU from .venv-vllm")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine run")
     p.add_argument("--cdf-rate", type=float,
@@ -513,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         systems = {
-            "ours": lambda: triton_system(ours_repository(tmp, model_dir), "ensemble", args.request_timeout),
+            "ours": lambda: triton_system(ours_repository(tmp, model_dir), args.endpoint, args.request_timeout),
             "static": lambda: triton_system(static_repository(tmp, model_dir, args.dtype), "static_hf",
                                             args.request_timeout),
             "vllm": lambda: vllm_system(model_dir, args.dtype, args.threads, args.request_timeout,
