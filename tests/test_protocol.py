@@ -51,14 +51,21 @@ def _entries(text: str, key: str) -> dict[str, dict[str, str]]:
 
 
 def _tensors(text: str, key: str) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """name -> (data_type, dims, optional) of each entry of an `input` / `output` block."""
-    return {name: (f["data_type"], tuple(int(d) for d in f["dims"].strip("[]").replace(",", " ").split()),
-                   "optional" in f)
-            for name, f in _entries(text, key).items()}
+    """name -> (data_type, dims, optional) of each entry of an `input` / `output` block; dims without the
+    batch dimension, which an unbatched model (max_batch_size 0) writes first, as -1."""
+    unbatched = re.search(r"^max_batch_size\s*:\s*0\s*$", text, re.MULTILINE) is not None
+    out = {}
+    for name, f in _entries(text, key).items():
+        dims = tuple(int(d) for d in f["dims"].strip("[]").replace(",", " ").split())
+        if unbatched:
+            assert dims[0] == -1, f"{name}: an unbatched model's dims start with the batch dimension, -1"
+            dims = dims[1:]
+        out[name] = (f["data_type"], dims, "optional" in f)
+    return out
 
 
-def _table(rows) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    return {t.name: (t.dtype, t.dims, t.optional) for t in rows}
+def _table(rows, model: str) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    return {t.name: (t.dtype, t.dims, t.declared_optional(model)) for t in rows}
 
 
 def _steps(text: str) -> Iterator[tuple[str, dict[str, str], dict[str, str]]]:
@@ -75,13 +82,14 @@ def test_the_table_is_well_formed():
         for t in rows:
             assert t.dtype in DTYPES and t.dims in ((1,), (-1,)) and t.models and set(t.models) <= set(MODELS)
             assert t.meaning and "\n" not in t.meaning
+            assert not t.parser_checked_in or (not t.optional and t.parser_checked_in < t.models), t.name
     assert {t.client_dtype for t in INPUTS} <= {"BOOL", "INT32", "UINT64", "FP32", "BYTES"}
     assert next(t for t in INPUTS if t.name == "tenant").client_dtype == "BYTES"
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_config_inputs_are_the_table(model):
-    assert _tensors(_config(model), "input") == _table(inputs_of(model))
+    assert _tensors(_config(model), "input") == _table(inputs_of(model), model)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -94,7 +102,7 @@ def test_only_the_llms_list_inputs_are_ragged(model):
 
 @pytest.mark.parametrize("model", (LLM, ENSEMBLE, LLM_BLS))
 def test_config_outputs_are_the_table(model):
-    assert _tensors(_config(model), "output") == _table(outputs_of(model))
+    assert _tensors(_config(model), "output") == _table(outputs_of(model), model)
 
 
 def test_llm_bls_has_the_ensembles_exact_io():
@@ -103,9 +111,9 @@ def test_llm_bls_has_the_ensembles_exact_io():
 
 def test_static_hf_baseline_takes_a_subset_of_the_ensembles_inputs():
     text = re.sub(r"#[^\n]*", "", (REPO / "load_tests/static_hf/config.pbtxt").read_text())
-    ensemble = _table(inputs_of(ENSEMBLE))
+    ensemble = {t.name: (t.dtype, t.dims, t.optional) for t in inputs_of(ENSEMBLE)}  # what a request may omit
     assert {n: ensemble.get(n) for n in _tensors(text, "input")} == _tensors(text, "input")
-    assert _tensors(text, "output") == _table(outputs_of(ENSEMBLE))
+    assert _tensors(text, "output") == _table(outputs_of(ENSEMBLE), ENSEMBLE)
 
 
 def test_ensemble_passes_each_input_to_the_models_that_take_it():

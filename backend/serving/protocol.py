@@ -36,6 +36,9 @@ class TensorSpec:
     models: frozenset[str]  # the models whose config.pbtxt declares it
     meaning: str
     optional: bool = False  # may a request leave it out (`optional: true`); outputs: False
+    # models whose config.pbtxt declares this required input `optional: true` all the same, so that the
+    # parser, not Triton, refuses a request without it (see text_input)
+    parser_checked_in: frozenset[str] = frozenset()
 
     @property
     def client_dtype(self) -> str:
@@ -50,21 +53,30 @@ class TensorSpec:
     def is_list(self) -> bool:
         return self.dims == (-1,)
 
+    def declared_optional(self, model: str) -> bool:
+        """Whether `model`'s config.pbtxt declares it `optional: true`."""
+        return self.optional or model in self.parser_checked_in
+
 
 _TEXT = frozenset({ENSEMBLE, LLM_BLS, PREPROCESSING})  # text in: tokenized before the llm
 _ALL = frozenset({LLM, ENSEMBLE, LLM_BLS})  # passed on to the llm as they are
 
 
 def _input(name: str, dtype: str, dims: tuple[int, ...], meaning: str, models: frozenset[str] = _ALL,
-           optional: bool = True) -> TensorSpec:
-    return TensorSpec(name, dtype, dims, models, meaning, optional)
+           optional: bool = True, parser_checked_in: frozenset[str] = frozenset()) -> TensorSpec:
+    return TensorSpec(name, dtype, dims, models, meaning, optional, parser_checked_in)
 
 
 INPUTS: tuple[TensorSpec, ...] = (
     _input("input_ids", "TYPE_INT32", (-1,), "the prompt's token ids (preprocessing makes them)",
            frozenset({LLM}), optional=False),
-    _input("text_input", "TYPE_STRING", (1,), "the prompt, UTF-8; may be empty in a `stop` request",
-           _TEXT, optional=False),
+    # The ensemble and preprocessing declare it optional: Triton checks only the number of inputs, so a
+    # request with others but not this one passed, its step never ran and the ensemble answered with an empty
+    # success; now preprocessing's parser names it. llm_bls keeps it required: Triton then refuses a request
+    # with no input at all before the model (Triton 2.51 crashes on a model's error to one over a gRPC stream
+    # with `triton_grpc_error`).
+    _input("text_input", "TYPE_STRING", (1,), "the prompt, UTF-8; may be empty or left out in a `stop`",
+           _TEXT, optional=False, parser_checked_in=frozenset({ENSEMBLE, PREPROCESSING})),
     _input("apply_chat_template", "TYPE_BOOL", (1,), "wrap text_input as one user turn of the chat template",
            _TEXT),
     _input("max_tokens", "TYPE_INT32", (1,), "most tokens to generate"),
