@@ -14,7 +14,8 @@ from backend.engine.errors import InvalidRequestError
 from backend.engine.sampling import SamplingParams
 from backend.serving.protocol import (DTYPES, ENSEMBLE, INPUTS, LLM, LLM_BLS, MODELS, OUTPUTS, PREPROCESSING,
                                       inputs_of, outputs_of)
-from backend.serving.request import GenerationRequest, parse_request, parse_text_prompt
+from backend.serving.request import (ENGINE_FIELD_INPUTS, MAX_CHARS, MAX_ENTRIES, GenerationRequest,
+                                     input_error, parse_request, parse_text_prompt)
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_REPO = REPO / "model_repository"
@@ -257,6 +258,43 @@ def test_errors_name_the_field(values, field, message):
     with pytest.raises(InvalidRequestError) as err:
         parse_request(inputs, CharTokenizer(), (2,))
     assert str(err.value) == f"{field}: {message}"
+
+
+def test_a_batch_of_lists_is_not_one_list():
+    """Triton lets [2, n] through a batching model; flattened, it was served as one prompt of 2n tokens."""
+    with pytest.raises(InvalidRequestError, match=r"^input_ids: expected one list \(shape \[1, n\]\), got "
+                                                  r"shape \[2, 2\]"):
+        parse_request({"input_ids": np.array([[5, 6], [7, 8]], np.int32)}, CharTokenizer(), (2,))
+
+
+def test_sizes_past_the_limits_are_refused_by_name():
+    for name, limit in MAX_ENTRIES.items():
+        _parse(**{name: ["ab"] * limit})
+        with pytest.raises(InvalidRequestError, match=rf"^{name}: at most {limit} entries, got {limit + 1}$"):
+            _parse(**{name: ["ab"] * (limit + 1)})
+    for name, limit in MAX_CHARS.items():
+        if name == "text_input":
+            assert parse_text_prompt({"text_input": np.array([["é".encode() * limit]], dtype=np.object_)}).text
+            inputs = {"text_input": np.array([["é".encode() * (limit + 1)]], dtype=np.object_)}
+            with pytest.raises(InvalidRequestError, match=rf"^text_input: at most {limit} characters"):
+                parse_text_prompt(inputs)
+            continue
+        value = "é" * limit  # characters, not bytes: 2 bytes each
+        _parse(**{name: [value] if name.endswith("_words") else value})
+        message = rf"^{name}: at most {limit} characters, got {limit + 1}$"
+        with pytest.raises(InvalidRequestError, match=message):
+            _parse(**{name: [value + "x"] if name.endswith("_words") else value + "x"})
+
+
+def test_engine_errors_name_the_input_that_set_the_field():
+    """The engine names its own fields (prompt_token_ids, stop_token_ids, ...); the client sent inputs."""
+    llm_inputs = {t.name for t in inputs_of(LLM)}
+    for field, name in ENGINE_FIELD_INPUTS.items():
+        assert name.split()[0] in llm_inputs, name
+        renamed = input_error(InvalidRequestError(field, "why"))
+        assert (str(renamed), renamed.field) == (f"{name}: why", name)
+    err = InvalidRequestError("top_p", "must be in (0, 1], got 1.5")
+    assert input_error(err) is err
 
 
 def test_invalid_utf8_names_the_field():

@@ -1,7 +1,8 @@
 """Request inputs (the llm's, as listed in backend/serving/protocol.py) -> a validated generation request.
 
 Inputs arrive as numpy arrays (Triton gives `[1, ...]` with the batch dimension; any leading 1s are
-ignored). Every error is an InvalidRequestError that names the field. Conventions:
+ignored, a batch of more is refused). Every error is an InvalidRequestError that names the input and what
+is allowed; the engine's own errors name its fields, which `input_error` turns back into inputs. Conventions:
 - `end_id` replaces the model's EOS as the token that ends generation (TensorRT-LLM); `pad_id` is
   accepted and unused (outputs are never padded).
 - `stop_words` are strings matched on the generated text, also across token boundaries; generation
@@ -26,6 +27,16 @@ from backend.serving.protocol import LLM, PREPROCESSING, TensorSpec, inputs_of
 
 LLM_INPUTS = inputs_of(LLM)
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# Past these a request is refused, naming the input, rather than tokenized, matched at every step or kept
+# at the cost of every other request: the most entries of a list input and the most characters of one string
+# (1 Mi characters of text_input is some 250k tokens of English, more than any context served here).
+MAX_ENTRIES = {"stop_words": 256, "bad_words": 256}
+MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096}
+# The fields the engine names in its errors (LLMEngine.add_request, SamplingParams.validate) -> the inputs
+# that set them in parse_request, so that an error names what the client sent, on every front door.
+ENGINE_FIELD_INPUTS = {"prompt_token_ids": "input_ids (text_input once tokenized)",
+                       "stop_token_ids": "end_id", "bad_words_ids": "bad_words",
+                       "min_tokens": "min_tokens (or min_length)"}
 
 
 @dataclass
@@ -48,13 +59,17 @@ class GenerationRequest:
 def _read(tensor: TensorSpec, arr: np.ndarray):
     """One input's value, typed by its row of the table: a list for dims [-1] (empty strings dropped)."""
     name, kind = tensor.name, tensor.python_type
-    flat = np.asarray(arr).reshape(-1)
+    flat, shape = np.asarray(arr).reshape(-1), list(np.shape(arr))
     if tensor.is_list:
+        if np.prod(shape[:-1], dtype=np.int64) != 1:  # a batch of lists is not one request's list
+            raise InvalidRequestError(name, f"expected one list (shape [1, n]), got shape {shape}")
+        if flat.size > MAX_ENTRIES.get(name, flat.size):
+            raise InvalidRequestError(name, f"at most {MAX_ENTRIES[name]} entries, got {flat.size}")
         if kind is str:
             return [s for s in (_text(name, v) for v in flat) if s]
         return [kind(v) for v in flat]
     if flat.size != 1:
-        raise InvalidRequestError(name, f"expected one value, got shape {list(np.shape(arr))}")
+        raise InvalidRequestError(name, f"expected one value, got shape {shape}")
     value = flat[0]
     if kind is bool:
         return bool(value)
@@ -68,10 +83,20 @@ def _read(tensor: TensorSpec, arr: np.ndarray):
 def _text(name: str, value) -> str:
     if isinstance(value, (bytes, np.bytes_)):
         try:
-            return bytes(value).decode("utf-8")
+            text = bytes(value).decode("utf-8")
         except UnicodeDecodeError as err:
             raise InvalidRequestError(name, f"not valid UTF-8 ({err.reason} at byte {err.start})") from None
-    return str(value)
+    else:
+        text = str(value)
+    if len(text) > MAX_CHARS.get(name, len(text)):
+        raise InvalidRequestError(name, f"at most {MAX_CHARS[name]} characters, got {len(text)}")
+    return text
+
+
+def input_error(err: InvalidRequestError) -> InvalidRequestError:
+    """`err` naming the request input that set the engine field it names (ENGINE_FIELD_INPUTS)."""
+    name = ENGINE_FIELD_INPUTS.get(err.field)
+    return err if name is None else InvalidRequestError(name, err.reason)
 
 
 def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_ids: tuple[int, ...]) -> GenerationRequest:

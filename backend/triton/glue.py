@@ -9,6 +9,7 @@ import json
 import numpy as np
 
 from backend.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from backend.serving.request import input_error
 from backend.serving.tokenizer import load_tokenizer
 from backend.serving.model_store import resolve_model_dir
 
@@ -35,10 +36,10 @@ def read_inputs(pb_utils, request, names: list[str]) -> dict[str, np.ndarray]:
 
 
 def error_response(pb_utils, err: Exception):
-    """One final error response: INVALID_ARG for a bad field, UNAVAILABLE when overloaded or the engine is down,
-    INTERNAL for anything else (logged)."""
+    """One final error response: INVALID_ARG for a bad input (named as the client sent it), UNAVAILABLE
+    when overloaded or the engine is down, INTERNAL for anything else (logged)."""
     if isinstance(err, InvalidRequestError):
-        code = pb_utils.TritonError.INVALID_ARG
+        err, code = input_error(err), pb_utils.TritonError.INVALID_ARG
     elif isinstance(err, (QueueFullError, EngineDeadError)):
         code = pb_utils.TritonError.UNAVAILABLE
     else:
