@@ -5,13 +5,17 @@ The model.py files import pb_utils (it exists only inside the Triton stub) and p
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
 from backend.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from backend.serving.protocol import INPUTS
 from backend.serving.request import input_error
 from backend.serving.tokenizer import load_tokenizer
 from backend.serving.model_store import resolve_model_dir
+
+INPUT_NAMES = frozenset(t.name for t in INPUTS)
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -46,3 +50,13 @@ def error_response(pb_utils, err: Exception):
         code = pb_utils.TritonError.INTERNAL
         pb_utils.Logger.log_error(f"request failed: {err!r}")
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code))
+
+
+def forwarded_error(pb_utils, error):
+    """The error of a BLS call's response, to send on to the caller's client. Triton 2.51 hands a BLS caller
+    every error as INTERNAL whatever its code; a bad input's error, which error_response writes as
+    "<input>: what is allowed", is made INVALID_ARG again."""
+    name = re.match(r"\w*", error.message()).group()
+    if name in INPUT_NAMES:
+        return pb_utils.TritonError(error.message(), pb_utils.TritonError.INVALID_ARG)
+    return error

@@ -14,7 +14,8 @@ import triton_python_backend_utils as pb_utils
 from backend.serving.detokenize import IncrementalDetokenizer
 from backend.serving.request import parse_text_prompt
 from backend.serving.tokenizer import encode
-from backend.triton.glue import error_response, model_parameters, model_tokenizer, read_inputs
+from backend.triton.glue import (error_response, forwarded_error, model_parameters, model_tokenizer,
+                                 read_inputs)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
@@ -67,7 +68,8 @@ class TritonPythonModel:
             for response in request.exec(decoupled=True):
                 if response.has_error():
                     if not cancelled:
-                        sender.send(pb_utils.InferenceResponse(error=response.error()), flags=FINAL)
+                        error = forwarded_error(pb_utils, response.error())
+                        sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                     return
                 outs = {t.name(): t.as_numpy() for t in response.output_tensors()}
                 if not outs:
