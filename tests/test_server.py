@@ -178,52 +178,7 @@ def test_genai_perf_and_openai_frontend_payloads(server):
     assert int(openai.outputs["num_input_tokens"].reshape(-1)[0]) == 1 and openai.text
 
 
-BAD_INPUTS = [
-    ("", {}, "text_input"),
-    (b"\xff\xfe not utf-8", {}, "text_input"),
-    ("hello " * 1100, {}, "prompt"),
-    ("Hi", {"max_tokens": 0}, "max_tokens"),
-    ("Hi", {"max_tokens": 5000}, "max_tokens"),
-    ("Hi", {"top_p": 0.0}, "top_p"),
-    ("Hi", {"top_p": 1.5}, "top_p"),
-    ("Hi", {"temperature": -1.0}, "temperature"),
-]
-
-
-@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
-@pytest.mark.parametrize("prompt, options, field", BAD_INPUTS)
-def test_bad_input_gets_an_error_naming_the_field_and_the_server_serves_on(server, model, prompt, options, field):
-    with LLMClient(grpc_url(server), model) as client:
-        with pytest.raises(InferenceServerException, match=field):
-            client.generate(prompt, **options)
-        assert client.generate("Hi", max_tokens=3, ignore_eos=True).text
-
-
-@pytest.mark.parametrize("model", ["llm_bls"])
-def test_missing_text_input_is_an_error_naming_it(server, model):
-    """Before: llm_bls answered with a KeyError's text. (The ensemble sends no response at all here in Triton
-    2.51: the reliability issue's.)"""
-    client = grpcclient.InferenceServerClient(grpc_url(server))
-    responses: queue.SimpleQueue = queue.SimpleQueue()
-    client.start_stream(callback=lambda result, error: responses.put(error))
-    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
-    max_tokens.set_data_from_numpy(np.array([[4]], dtype=np.int32))
-    client.async_stream_infer(model, [max_tokens])
-    error = responses.get(timeout=30)
-    client.stop_stream()
-    assert error is not None and "text_input" in str(error), error
-
-
-def test_wrong_dtype_is_rejected_by_name(server):
-    client = grpcclient.InferenceServerClient(grpc_url(server))
-    responses: queue.SimpleQueue = queue.SimpleQueue()
-    client.start_stream(callback=lambda result, error: responses.put(error))
-    wrong = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
-    wrong.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
-    client.async_stream_infer("ensemble", build_inputs("Hi") + [wrong])
-    error = responses.get(timeout=30)
-    client.stop_stream()
-    assert error is not None and "max_tokens" in str(error) and "expects 'INT32'" in str(error)
+# Bad inputs, on every front door: tests/test_bad_inputs.py (each input of the table, each way it can be bad).
 
 
 def test_overload_answers_overloaded_and_serves_the_rest(server):
