@@ -155,6 +155,10 @@ class TritonServer:
     echo: bool = False  # also copy the server's output to stdout
     shm_default_bytes: int = 8 * MiB  # per model instance; the backend's default is 1 MiB
     shm_growth_bytes: int = 8 * MiB
+    # Threads of the server's pool that serves python models' BLS calls: a streamed BLS call holds one for its
+    # whole life, so the backend's default of 32 capped llm_bls at 32 concurrent requests (the rest queued
+    # unseen by the engine, never refused as overloaded). Above max_num_seqs + max_waiting (64 + 256).
+    bls_threads: int = 512
     exit_timeout_s: int = 10  # how long tritonserver waits for in-flight requests when stopping
     shm_prefix: str = field(init=False)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
@@ -189,7 +193,7 @@ class TritonServer:
         server_bin, backend_dir, env = prepare_runtime(find_tritonserver(), self.workdir)
         python_config = {"shm-region-prefix-name": self.shm_prefix,
                          "shm-default-byte-size": self.shm_default_bytes,
-                         "shm-growth-byte-size": self.shm_growth_bytes}
+                         "shm-growth-byte-size": self.shm_growth_bytes, "thread-pool-size": self.bls_threads}
         cmd = [str(server_bin), f"--model-repository={Path(self.model_repository).resolve()}",
                f"--backend-directory={backend_dir}", f"--http-port={self.http_port}",
                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
