@@ -1,8 +1,7 @@
 """The engine thread: one loop serves requests submitted from other threads (Triton's `execute`).
 
-Submitting only enqueues; the loop admits requests, aborts those whose client went away (a third thread, the
-cancel thread, polls `is_cancelled` and queues the aborts), runs `step()`, applies stop strings and hands each
-output to its submission's `emit` callback, in order. Every submission
+Submitting only enqueues; the loop admits requests, polls client cancellation, runs `step()`, applies
+stop strings and hands each output to its submission's `emit` callback, in order. Every submission
 ends exactly once: with a finished output through `emit`, or through `fail` (not admitted, engine
 died, shutdown). If the loop dies, it fails everything in flight and `alive` turns False.
 
@@ -43,7 +42,6 @@ from backend.engine.sequence import FinishReason
 
 LOG = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
-CANCEL_POLL_S = 0.05  # how often the cancel thread asks each active request whether its client went away
 
 
 @dataclass
@@ -103,12 +101,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._outbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._output_thread = threading.Thread(target=self._send_outputs, name="engine-output", daemon=True)
-        self._cancel_thread = threading.Thread(target=self._watch_cancellations, name="engine-cancels", daemon=True)
 
     def start(self) -> "EngineLoop":
         """Start the thread and wait until it has built the engine; a build error is raised here."""
         self._output_thread.start()
-        self._cancel_thread.start()
         self._thread.start()
         self._built.wait()
         if self.engine is None:
@@ -158,7 +154,7 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self.last_round = time.time()
                 self._drain_inbox(block=not self.engine.has_unfinished())
-                self._end_past_deadlines()
+                self._poll_cancellations()
                 if busy and not self.engine.has_unfinished():  # an abort frees blocks without a step
                     busy = False
                     self._outbox.put(functools.partial(self.observer.on_idle, self.engine.stats()))
@@ -192,7 +188,7 @@ class EngineLoop:
         elif kind == "stop":
             for sub in [s for s in self._active.values() if s.client_id == payload]:
                 self._abort(sub.engine_id)
-        elif kind == "abort":  # its client went away, or its output could not be sent
+        elif kind == "abort":  # its output could not be sent
             self._abort(payload)
 
     def _abort(self, engine_id: str) -> None:
@@ -217,26 +213,15 @@ class EngineLoop:
             sub.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self._active[sub.engine_id] = sub
 
-    def _end_past_deadlines(self) -> None:
-        """Requests past their deadline end with what they have."""
+    def _poll_cancellations(self) -> None:
+        """Clients that went away are aborted; requests past their deadline end with what they have."""
         now = time.monotonic()
         for sub in list(self._active.values()):
-            if sub.request.timeout_ms and now - sub.submitted_at >= sub.request.timeout_ms / 1e3 \
+            if sub.is_cancelled():
+                self._abort(sub.engine_id)
+            elif sub.request.timeout_ms and now - sub.submitted_at >= sub.request.timeout_ms / 1e3 \
                     and sub.engine_id in self.engine.requests:
                 self._dispatch(self.engine.finish(sub.engine_id, FinishReason.TIMEOUT))
-
-    def _watch_cancellations(self) -> None:
-        """The cancel thread: every CANCEL_POLL_S, asks each active request whether its client went away, and
-        queues the abort of those that did. Off the engine thread: in Triton each `is_cancelled()` is a round
-        trip to the server process, and asking every request before every step held the step up."""
-        posted: set[str] = set()
-        while not self._stopping.wait(CANCEL_POLL_S):
-            active = list(self._active.values())
-            posted &= {sub.engine_id for sub in active}
-            for sub in active:
-                if sub.engine_id not in posted and sub.is_cancelled():
-                    posted.add(sub.engine_id)
-                    self._inbox.put(("abort", sub.engine_id))
 
     def _dispatch(self, out: RequestOutput) -> None:
         sub = self._active.get(out.request_id)
