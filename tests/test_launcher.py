@@ -19,6 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.triton.launcher import TritonInstall, TritonServer, find_tritonserver, free_ports
+from backend.triton.supervisor import stub_processes
 
 MODEL = "stream"
 CONFIG = f"""
@@ -198,9 +199,11 @@ def test_cli_restarts_a_tritonserver_that_dies(server: TritonServer, tmp_path: P
         "".join(itertools.takewhile(lambda line: "Ctrl-C to stop" not in line, lines))
         children = subprocess.run(["pgrep", "-P", str(proc.pid), "tritonserver"], capture_output=True, text=True)
         (pid,) = map(int, children.stdout.split())
+        stubs = stub_processes(pid)
         os.kill(pid, signal.SIGKILL)  # as an abort in the python backend would end it
         printed = "".join(itertools.takewhile(lambda line: "tritonserver restarted" not in line, lines))
         assert "tritonserver exited with -9" in printed and "restarting it in 1 s (restart 1 of 1)" in printed
+        assert stubs and not any(Path(f"/proc/{stub}").exists() for stub in stubs.values())  # no orphans
         assert http_status(f"http://127.0.0.1:{http}/v2/health/ready") == 200
         _interrupt(proc)
     finally:
