@@ -162,6 +162,16 @@ def test_a_tenant_below_its_share_is_admitted_while_the_pool_is_short():
     assert sched.kv.num_used_blocks == sum(len(s.block_ids) for s in sched.running)
 
 
+def test_requests_without_a_tenant_make_room_too_when_they_flood():
+    sched = make(max_num_seqs=4, max_num_batched_tokens=1000)
+    for i in range(6):
+        sched.add(seq(f"n{i}", 4, max_tokens=100))  # no tenant: the default one
+    advance(sched, sched.schedule())
+    sched.add(seq("b0", 4, tenant="b"))
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["n3"] and "b0" in {s.request_id for s, _ in out.scheduled}
+
+
 def test_without_tenants_admission_stays_fcfs():
     sched = make(max_num_seqs=2)
     reqs = [seq(f"r{i}", 4) for i in range(4)]

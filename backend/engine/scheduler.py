@@ -122,15 +122,16 @@ class Scheduler:
         reserved = sum(self._max_blocks(s) for s in self.running)
         return reserved + self._max_blocks(seq) <= self.kv.num_blocks
 
-    def _heavier_tenant(self, seq: Sequence) -> str | None:
-        """The tenant running above its fair share (max_num_seqs over the tenants with work), when `seq`'s tenant
-        runs below it: the one `seq` may take a slot and blocks from."""
+    def _heavier_tenant(self, seq: Sequence) -> tuple[str | None] | None:
+        """(the tenant running above its fair share,) when `seq`'s tenant runs below it: the one `seq` may take a
+        slot and blocks from (the tenant may be None: requests without one); None when there is no such tenant.
+        The fair share is max_num_seqs over the tenants with work."""
         running = Counter(s.tenant for s in self.running)
         if not running:
             return None
         share = self.config.max_num_seqs / len(running.keys() | {s.tenant for s in self.waiting})
         heavy, count = running.most_common(1)[0]
-        return heavy if running[seq.tenant] + 1 <= share < count else None
+        return (heavy,) if running[seq.tenant] + 1 <= share < count else None
 
     def _admit_below_share(self, budget: int, scheduled: list[tuple[Sequence, int]],
                            preempted: list[Sequence]) -> int:
@@ -139,10 +140,10 @@ class Scheduler:
         used = 0
         while self.waiting and used < budget and self.config.admission_policy == "max_utilization":
             seq = self.waiting[self._next_waiting()]
-            heavy = self._heavier_tenant(seq)
-            if heavy is None or self._at_running_quota(seq):
+            heavier = self._heavier_tenant(seq)
+            if heavier is None or self._at_running_quota(seq):
                 break
-            if not (n := self._take_room(seq, heavy, budget - used, preempted)):
+            if not (n := self._take_room(seq, heavier[0], budget - used, preempted)):
                 break
             scheduled.append((seq, n))
             used += n
