@@ -210,8 +210,9 @@ class Scheduler:
                 i += 1
                 continue
             # Short of blocks: preempt from the tail (lowest priority, heaviest tenant, newest), within the
-            # tenant when it is the tenant's quota that is short. The tail is never already scheduled.
-            candidates = [s for s in self.running[i:] if quota_ok or s.tenant == seq.tenant]
+            # tenant when it is the tenant's quota that is short; never one scheduled this step (a sequence
+            # admitted below its share may sort behind, with a worse priority).
+            candidates = [s for s in self.running[i:] if id(s) not in fresh and (quota_ok or s.tenant == seq.tenant)]
             victim = candidates[-1]
             self._preempt(victim)
             preempted.append(victim)
