@@ -136,6 +136,24 @@ def test_a_full_batch_makes_room_for_a_tenant_below_its_share():
     assert not out.preempted and {s.request_id for s in sched.running} == {"a0", "a1", "b0", "b1"}
 
 
+def test_a_first_chunk_below_its_share_runs_alone_at_most_every_other_step():
+    sched = make(max_num_seqs=8, max_num_batched_tokens=1000)
+    flood = [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(6)]
+    for s in flood:
+        sched.add(s)
+    advance(sched, sched.schedule())  # a runs 6 of 8 slots, above its share of 4 once b has work
+    sched.add(seq("b0", 4, tenant="b"))
+    out = sched.schedule()  # b0's prefill alone: it does not wait for a's decodes
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("b0", 4)] and not out.preempted
+    advance(sched, out)
+    sched.add(seq("c0", 4, tenant="c"))
+    out = sched.schedule()  # the next arrival shares a step with every decode: arrivals cannot starve the batch
+    assert {s.request_id for s, _ in out.scheduled} == {"c0", "b0", *(s.request_id for s in flood)}
+    advance(sched, out)
+    out = sched.schedule()  # nothing new arrived: a plain decode step
+    assert len(out.scheduled) == 8
+
+
 def test_blocks_short_preempt_the_heaviest_tenant_not_the_newest_sequence():
     sched = make(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=1000)
     a = [seq(f"a{i}", 8, max_tokens=100, tenant="a") for i in range(3)]

@@ -18,7 +18,10 @@ at p99). So under `max_utilization`, when the batch is full and the next waiting
 than its fair share (max_num_seqs over the tenants with work), the newest sequence of the tenant furthest over
 its share is preempted (recompute; its full blocks stay in the prefix cache) to make room. Running sequences
 are scheduled lightest tenant first, so when the pool runs short of blocks the victim (the tail) is also the
-heaviest tenant's newest sequence. Tenant quotas cap a tenant's running sequences and KV blocks;
+heaviest tenant's newest sequence. A sequence admitted below its share runs its first chunk in a step of its own,
+ahead of the decodes (as SGLang and vLLM V0 schedule every prefill): in a mixed step it would wait for the flood's
+whole decode batch (measured on 2 cores: 170 ms beside 48 decodes, 45 ms alone). At most every other step is such
+a step, so arrivals cannot starve the running batch. Tenant quotas cap a tenant's running sequences and KV blocks;
 a tenant over its block quota preempts its own newest sequence.
 """
 
@@ -55,6 +58,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.order_key
         self.running: list[Sequence] = []  # sorted at each step: priority, lightest tenant, arrival
         self.num_preemptions = 0
+        self._last_step_alone = False  # the last step ran only first chunks admitted below their share
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; refused when more than `max_waiting` would wait beyond the free running slots."""
@@ -192,6 +196,10 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         budget -= self._admit_below_share(budget, scheduled, preempted)
+        if scheduled and not self._last_step_alone:  # first chunks below their share run alone (module docstring)
+            self._last_step_alone = True
+            return SchedulerOutput(scheduled, preempted)
+        self._last_step_alone = False
         fresh = {id(seq) for seq, _ in scheduled}
         num_share_victims = len(preempted)
         tenant_load = Counter(s.tenant for s in self.running)  # light tenants first, so victims come from heavy ones
