@@ -61,11 +61,14 @@ def ttfts(url: str, n: int, max_tokens: int) -> list[float]:
 def fairness(args: argparse.Namespace) -> None:
     solo = ttfts(args.url, args.requests, args.max_tokens)
     clients = [LLMClient(args.url) for _ in range(args.flood)]
+    flooding = threading.Event()
+    flooding.set()
 
-    def flood(i: int) -> None:
-        for _ in clients[i].stream(f"Tenant a, essay {i}: write at length.", max_tokens=args.flood_tokens,
-                                   tenant="a", ignore_eos=True, stream=True):
-            pass
+    def flood(i: int) -> None:  # a stream ends, the next begins: the flood lasts as long as b's requests
+        while flooding.is_set():
+            for _ in clients[i].stream(f"Tenant a, essay {i}: write at length.", max_tokens=args.flood_tokens,
+                                       tenant="a", ignore_eos=True, stream=True):
+                pass
 
     threads = in_threads(flood, args.flood)
     queues = ("llm_num_requests_running", "llm_num_requests_waiting")
@@ -77,6 +80,7 @@ def fairness(args: argparse.Namespace) -> None:
     flooded = ttfts(args.url, args.requests, args.max_tokens)
     step_s = (metric(args.metrics_url, "llm_step_seconds_sum") - steps[0]) / \
         max(1.0, metric(args.metrics_url, "llm_step_seconds_count") - steps[1])
+    flooding.clear()
     for client in clients:
         client.cancel()
     for thread in threads:
