@@ -219,7 +219,8 @@ def storm(args: argparse.Namespace) -> None:
             except Exception as err:  # noqa: BLE001 - counted by kind
                 outcome["no final response" if type(err).__name__ == "Empty" else "failed"] += 1
 
-    deadline = time.monotonic() + args.storm_minutes * 60
+    start = time.monotonic()
+    deadline, shown = start + args.storm_minutes * 60, start
     while time.monotonic() < deadline:
         for thread in in_threads(bad, 16) + in_threads(stream, 24):
             thread.join(120)
@@ -229,6 +230,10 @@ def storm(args: argparse.Namespace) -> None:
             while not ready(args.http_url):
                 time.sleep(0.5)
             pid = server_pid(port)
+        if time.monotonic() - shown >= 60:  # progress, once a minute
+            shown = time.monotonic()
+            print(f"  storm: {(shown - start) / 60:.0f} of {args.storm_minutes:g} min, {rounds} rounds, {restarts} "
+                  f"restarts, {outcome['no final response']} without a final response", flush=True)
     print(f"storm: {rounds} rounds in {args.storm_minutes:g} min ({rounds * 40} requests): {restarts} tritonserver "
           f"restarts; {', '.join(f'{n} {k}' for k, n in outcome.most_common())}")
 
