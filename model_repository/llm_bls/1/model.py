@@ -6,14 +6,12 @@ thread follows the whole stream), so the text equals the ensemble's.
 
 import json
 import threading
-import time
 import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.serving.detokenize import IncrementalDetokenizer
-from backend.serving.engine_thread import CANCEL_POLL_S
 from backend.serving.request import parse_text_prompt
 from backend.serving.tokenizer import encode
 from backend.triton.glue import (error_response, forwarded_error, model_parameters, model_tokenizer,
@@ -66,7 +64,6 @@ class TritonPythonModel:
             self.active.setdefault(client_id, set()).add(llm_id)
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         cancelled = False
-        polled_at = time.monotonic()
         try:
             for response in request.exec(decoupled=True):
                 if response.has_error():
@@ -77,11 +74,9 @@ class TritonPythonModel:
                 outs = {t.name(): t.as_numpy() for t in response.output_tensors()}
                 if not outs:
                     continue
-                if not cancelled and time.monotonic() - polled_at >= CANCEL_POLL_S:  # a round trip: not per token
-                    polled_at = time.monotonic()
-                    if sender.is_cancelled():
-                        cancelled = True  # the engine frees the sequence at its next step
-                        self._stop(llm_id)
+                if not cancelled and sender.is_cancelled():
+                    cancelled = True  # the engine frees the sequence at its next step
+                    self._stop(llm_id)
                 final = bool(outs["is_final"].reshape(-1)[0])
                 text = detokenizer.push(outs["output_ids"].reshape(-1).tolist(), final=final)
                 if not cancelled:
