@@ -18,6 +18,12 @@ def kernels():
     cpu_kernels.load()
 
 
+def test_the_build_has_the_vector_width_of_its_target():
+    flags = cpu_kernels.cpu_flags()
+    wide = "avx512f" in flags if cpu_kernels.march() == "native" else cpu_kernels.march() == "x86-64-v4"
+    assert torch.ops.llm_kernels.lanes() == (16 if wide else 8)
+
+
 def norm(size: int, dtype: torch.dtype) -> RMSNorm:
     n = RMSNorm(size, 1e-5)
     n.weight.data = (1 + 0.1 * torch.randn(size)).to(dtype)

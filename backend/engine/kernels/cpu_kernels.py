@@ -3,7 +3,8 @@ the fused elementwise ops around the GEMMs (fused_ops.cpp), both over cpu_math.h
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them), once, into `$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take
-milliseconds. Building needs a C++ compiler and ninja (pinned in requirements.txt). The exported graph
+milliseconds. `LLM_KERNEL_MARCH` (e.g. `x86-64-v3`: AVX2 and FMA) builds for another CPU level instead, so the
+8-float AVX2 code is tested on an AVX-512 machine too (tests/test_kernels_avx2.py). Building needs a C++ compiler and ninja (pinned in requirements.txt). The exported graph
 (ONNX Runtime, TensorRT) never uses them: models/llama.py keeps the torch ops they replace as the reference.
 """
 
@@ -26,13 +27,22 @@ REPO_ROOT = HERE.parents[2]
 _lock = threading.Lock()
 
 
-def cpu_tag() -> str:
-    """-march=native code runs only where it was built: key the build folder by the CPU's flags."""
+def march() -> str:
+    return os.environ.get("LLM_KERNEL_MARCH") or "native"
+
+
+def cpu_flags() -> str:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        flags = platform.processor()
-    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+        return platform.processor()
+
+
+def cpu_tag() -> str:
+    """-march=native code runs only where it was built: key the build folder by the CPU's flags (and the -march
+    when it is not native)."""
+    level = "" if march() == "native" else f"-{march()}"
+    return f"{platform.machine()}-{hashlib.sha1(cpu_flags().encode()).hexdigest()[:10]}{level}"
 
 
 def load() -> None:
@@ -49,7 +59,7 @@ def load() -> None:
         headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
         log.info("cpu kernels: loading from %s (compiled there on first use, ~30 s)", build_dir)
         build(name="llm_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-              extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DLLM_KERNELS_HEADERS={headers}"],
+              extra_cflags=["-O3", f"-march={march()}", "-fopenmp", f"-DLLM_KERNELS_HEADERS={headers}"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 

@@ -158,6 +158,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("add_rms_norm(Tensor delta, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("lanes() -> int", []() -> int64_t { return kLanes; });  // the build's float vector width
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
