@@ -1,13 +1,24 @@
-"""load_tests/faults.py, the operator's fault script, against the real test server (tiny model): each check runs
-to its end and prints what it counts. Its kill check is exercised by tests/test_supervision.py's scenario (it
-needs a launcher-supervised server of its own)."""
+"""load_tests/faults.py, the operator's fault script, against a real tritonserver of its own (tiny model): each
+check runs to its end and prints what it counts. Its own server, so that this load cannot take the shared test
+server down with it. Not here: the kill check (tests/test_supervision.py kills a launcher-supervised server's
+stub) and the storm (hours by hand, README; a round of it in every `make test` would add a chance of the python
+backend's own crash under concurrent BLS load, upstream issue 8882, to every CI run)."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
 from load_tests.faults import main
-from tests.conftest import LLM_TEST_SETTINGS
+from tests.conftest import LLM_TEST_SETTINGS, start_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    with start_server(tmp_path_factory.mktemp("faults_repo"), tiny_model_dir, LLM_TEST_SETTINGS) as srv:
+        srv.wait_ready(300)
+        yield srv
 
 
 def run(server, capsys, *argv: str) -> str:
@@ -30,10 +41,3 @@ def test_overload_refuses_past_the_queue_bound_and_counts_every_refusal(server, 
     refused = int(re.search(r"(\d+) refused overloaded", out).group(1))
     counted = int(re.search(r'llm_requests_refused_total\{reason="overloaded"\} \+(\d+)', out).group(1))
     assert refused > 0 and served + refused == burst and counted == refused, out
-
-
-def test_a_storm_round_loses_no_request_and_restarts_nothing(server, capsys):
-    out = run(server, capsys, "--checks", "storm", "--storm-minutes", "0.01")
-    assert re.search(r"storm: 1 rounds .* 0 tritonserver restarts", out), out
-    assert "no final response" not in out and "failed" not in out, out
-    assert "12 abandoned" in out and "12 finished" in out and "16 bad request refused" in out, out
