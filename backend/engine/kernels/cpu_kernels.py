@@ -4,8 +4,9 @@ the fused elementwise ops around the GEMMs (fused_ops.cpp), both over cpu_math.h
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them), once, into `$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take
 milliseconds. `LLM_KERNEL_MARCH` (e.g. `x86-64-v3`: AVX2 and FMA) builds for another CPU level instead, so the
-8-float AVX2 code is tested on an AVX-512 machine too (tests/test_kernels_avx2.py). Building needs a C++ compiler and ninja (pinned in requirements.txt). The exported graph
-(ONNX Runtime, TensorRT) never uses them: models/llama.py keeps the torch ops they replace as the reference.
+8-float AVX2 code is tested on an AVX-512 machine too (tests/test_kernels_avx2.py). Building needs a C++
+compiler and ninja (pinned in requirements.txt). The exported graph (ONNX Runtime, TensorRT) never uses them:
+models/llama.py keeps the torch ops they replace as the reference.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def cpu_flags() -> str:
 def cpu_tag() -> str:
     """-march=native code runs only where it was built: key the build folder by the CPU's flags (and the -march
     when it is not native)."""
-    level = "" if march() == "native" else f"-{march()}"
+    level = "" if (target := march()) == "native" else f"-{target}"
     return f"{platform.machine()}-{hashlib.sha1(cpu_flags().encode()).hexdigest()[:10]}{level}"
 
 
