@@ -141,3 +141,36 @@ def iter_outputs(engine: LLMEngine):
 def drain_one(engine: LLMEngine, params: SamplingParams) -> tuple[list[int], str | None]:
     engine.add_request("one", PROMPT, params)
     return drain(engine)["one"]
+
+
+def test_a_tenant_below_its_share_cuts_into_the_step_in_flight(tiny_model_dir):
+    """b arrives while a's decode step runs: between two layers of it, b's prefill runs as a step of its own and
+    yields b's first token before a's step ends; every output stays what the request gives alone."""
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), max_num_seqs=8, max_num_batched_tokens=512))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = {f"a{i}": PROMPT[i:] for i in range(6)} | {"b": PROMPT[3:30]}
+    alone = {rid: engine.generate([prompt], params)[0] for rid, prompt in prompts.items()}
+    with pytest.raises(RuntimeError, match="between the layers"):
+        engine.cut_in()
+    for i in range(6):
+        engine.add_request(f"a{i}", prompts[f"a{i}"], params, tenant="a")
+    got = {rid: out.new_token_ids for rid, out in ((o.request_id, o) for o in engine.step())}  # a's prefills
+    cut_in: list = []
+    calls = []
+
+    def between_layers() -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:  # b arrives during a's first decode step
+            engine.add_request("b", prompts["b"], params, tenant="b")
+        cut_in.extend(engine.cut_in())  # once per step: the later calls find nothing to run
+
+    step = engine.step(between_layers)
+    assert len(calls) == engine.model_config.num_layers - 1
+    assert [(o.request_id, len(o.new_token_ids)) for o in cut_in] == [("b", 1)]
+    assert sorted(o.request_id for o in step) == sorted(f"a{i}" for i in range(6))
+    for out in cut_in + step:
+        got[out.request_id] = got.get(out.request_id, []) + out.new_token_ids
+    for rid, (tokens, _) in drain(engine).items():
+        got[rid] += tokens
+    assert got == alone
+    assert_pool_free(engine)

@@ -147,11 +147,11 @@ class FailingRunner:
         self.inner, self.fail_at, self.calls = inner, fail_at, 0
         self.model_config, self.num_blocks, self.block_size = inner.model_config, inner.num_blocks, inner.block_size
 
-    def forward(self, batch):
+    def forward(self, batch, between_layers=None):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected forward failure")
-        return self.inner.forward(batch)
+        return self.inner.forward(batch, between_layers)
 
 
 def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
@@ -166,6 +166,64 @@ def test_a_dead_engine_fails_in_flight_requests_and_refuses_new_ones(tiny_model_
     assert not loop.alive
     with pytest.raises(EngineDeadError, match="not running"):
         submit(loop)
+    loop.shutdown()
+
+
+class ArrivalDuringStep:
+    """The real runner; in its forward number `at`, after the first layer, `arrive()` runs: what a request that
+    Triton's thread submits while that step is in flight looks like to the loop."""
+
+    def __init__(self, inner: TorchRunner, at: int, arrive):
+        self.inner, self.at, self.arrive, self.calls = inner, at, arrive, 0
+        self.model_config, self.num_blocks, self.block_size = inner.model_config, inner.num_blocks, inner.block_size
+
+    def forward(self, batch, between_layers=None):
+        self.calls += 1
+        if self.calls != self.at:
+            return self.inner.forward(batch, between_layers)
+        arrived = []
+
+        def arrive_then(between=between_layers) -> None:
+            if not arrived:
+                arrived.append(self.arrive())
+            between()
+
+        return self.inner.forward(batch, arrive_then)
+
+
+def test_a_light_tenant_arriving_mid_step_gets_its_first_token_before_that_step_ends(tiny_model_dir):
+    config = EngineConfig.create(model=str(tiny_model_dir), max_num_seqs=8)
+    expected = LLMEngine(config).generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    emitted: list[tuple[str, int]] = []  # (client, its tokens so far), in the order the output thread sends them
+    recs: dict[str, Recorder] = {}
+
+    def submit_logged(client: str, tenant: str) -> None:
+        rec = recs[client] = Recorder()
+
+        def emit(out) -> None:
+            rec.emit(out)
+            emitted.append((client, len(rec.tokens)))
+
+        req = GenerationRequest(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True), stream=True, tenant=tenant)
+        loop.submit(Submission(client, req, emit, rec.fail))
+
+    def arrive() -> None:  # a's third step (its second decode) is in flight
+        submit_logged("b", "b")
+        loop.stop_request("a0")  # waits for the step's end: the step in flight still writes a0's blocks
+
+    runner = ArrivalDuringStep(TorchRunner(config.model, config.dtype, 256, config.cache.block_size), 3, arrive)
+    loop = EngineLoop(lambda: LLMEngine(config, runner=runner))
+    for i in range(6):  # queued before the loop runs: one prefill step for all six
+        submit_logged(f"a{i}", "a")
+    loop.start()
+    for client in [f"a{i}" for i in range(6)] + ["b"]:  # b arrives while the a's run
+        assert recs[client].done.wait(60) and recs[client].ends == 1
+    first_b = emitted.index(("b", 1))
+    assert {n for client, n in emitted[:first_b] if client != "b"} == {1, 2}  # before a's third token
+    assert recs["b"].tokens == expected and recs["b"].reasons == ["length"]
+    assert recs["a0"].tokens == expected[:3] and recs["a0"].reasons == ["cancelled"]
+    assert all(recs[f"a{i}"].tokens == expected for i in range(1, 6))
+    assert loop.num_active == 0 and loop.engine.kv.num_used_blocks == 0
     loop.shutdown()
 
 

@@ -154,6 +154,33 @@ def test_a_first_chunk_below_its_share_runs_alone_at_most_every_other_step():
     assert len(out.scheduled) == 8
 
 
+def test_a_first_chunk_below_its_share_cuts_into_the_step_in_flight_once_and_never_preempts():
+    sched = make(max_num_seqs=8, max_num_batched_tokens=1000)
+    flood = [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(6)]
+    for s in flood:
+        sched.add(s)
+    advance(sched, sched.schedule())
+    in_flight = sched.schedule()  # a's decodes; b0 and b1 arrive while it runs
+    sched.add(seq("b0", 4, tenant="b"))
+    sched.add(seq("b1", 4, tenant="b"))
+    cut = sched.schedule_cut_in()
+    assert [(s.request_id, n) for s, n in cut.scheduled] == [("b0", 4)] and not cut.preempted
+    advance(sched, cut)
+    assert sched.schedule_cut_in() is None  # one cut-in per step in flight
+    advance(sched, in_flight)
+    out = sched.schedule()  # b1 shares the next step: no alone step right after a cut-in
+    assert {s.request_id for s, _ in out.scheduled} == {"b0", "b1", *(s.request_id for s in flood)}
+    advance(sched, out)
+
+    full = make(max_num_seqs=4, max_num_batched_tokens=1000)  # a fills the batch: making room needs a preemption
+    for s in [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(4)]:
+        full.add(s)
+    advance(full, full.schedule())
+    full.schedule()
+    full.add(seq("b0", 4, tenant="b"))
+    assert full.schedule_cut_in() is None and [s.request_id for s in full.waiting] == ["b0"]
+
+
 def test_blocks_short_preempt_the_heaviest_tenant_not_the_newest_sequence():
     sched = make(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=1000)
     a = [seq(f"a{i}", 8, max_tokens=100, tenant="a") for i in range(3)]

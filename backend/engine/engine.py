@@ -7,6 +7,7 @@ engine_thread.py) hand requests to the thread that calls `step()`. Every state c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as PromptIds
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
 from backend.engine.sampling import SamplerRow, SamplingParams, SamplingState, sample
-from backend.engine.scheduler import Scheduler
+from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.sequence import FinishReason, Sequence
 
 
@@ -81,6 +82,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # finals of aborted requests, sent by the next step
         self._arrivals = 0
         self._last_step_tokens = 0
+        self._in_step = False  # a step's forward is in flight (cut_in is allowed)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -150,7 +152,9 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, between_layers: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step. `between_layers`, when given, is called between the model's layers (by the runners that run
+        layer by layer: PyTorch); the serving loop admits arrivals there and may run `cut_in()`."""
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_work():
             return outputs
@@ -158,10 +162,30 @@ class LLMEngine:
         self._last_step_tokens = sched.num_tokens
         if not sched.scheduled:
             return outputs
-        logits = self.runner.forward(build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile))
+        self._in_step = True
+        try:
+            return outputs + self._run(sched, between_layers)
+        finally:
+            self._in_step = False
+
+    def cut_in(self) -> list[RequestOutput]:
+        """Called between the layers of a step in flight: runs the first chunk of a waiting sequence whose tenant
+        runs below its fair share as a step of its own, now, instead of after the step in flight (which on a
+        small CPU beside a flood takes 3x such a request's whole solo TTFT). Its outputs; [] when there is none,
+        it would need a preemption, or a step already had its cut-in (scheduler.schedule_cut_in)."""
+        if not self._in_step:
+            raise RuntimeError("cut_in() runs only between the layers of a step in flight")
+        sched = self.scheduler.schedule_cut_in()
+        return self._run(sched, None) if sched else []
+
+    def _run(self, sched: SchedulerOutput, between_layers: Callable[[], None] | None) -> list[RequestOutput]:
+        """Forward, sample and update for a scheduled batch; its outputs."""
+        batch = build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile)
+        logits = self.runner.forward(batch, between_layers)
         sampled = [i for i, (seq, n) in enumerate(sched.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
         rows = [self._sampler_row(sched.scheduled[i][0]) for i in sampled]
         tokens, logprobs = sample(logits[np.asarray(sampled, dtype=np.int64)], rows) if rows else ([], [])
+        outputs = []
         for seq, token, logprob in self.scheduler.update_from_output(sched, dict(zip(sampled, zip(tokens, logprobs)))):
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]

@@ -21,7 +21,9 @@ are scheduled lightest tenant first, so when the pool runs short of blocks the v
 heaviest tenant's newest sequence. A sequence admitted below its share runs its first chunk in a step of its own,
 ahead of the decodes (as SGLang and vLLM V0 schedule every prefill): in a mixed step it would wait for the
 flood's whole decode batch (measured on 2 cores beside 48 streams: 178 ms in the mixed step, 82 ms alone). At
-most every other step is such a step, so arrivals cannot starve the running batch. Tenant quotas cap a tenant's
+most every other step is such a step, so arrivals cannot starve the running batch. Such a first chunk may also cut
+into the step in flight (`schedule_cut_in`, between the model's layers, when the serving loop sees it arrive): the
+step it would otherwise wait for takes 3x its whole solo TTFT beside a flood. Tenant quotas cap a tenant's
 running sequences and KV blocks; a tenant over its block quota preempts its own newest sequence.
 """
 
@@ -249,6 +251,23 @@ class Scheduler:
         for seq in skipped:
             bisect.insort(self.waiting, seq, key=Sequence.order_key)
         return SchedulerOutput(scheduled, preempted)
+
+    def schedule_cut_in(self) -> SchedulerOutput | None:
+        """While a step is in flight, a step of its own for the first chunk of the next waiting sequence when its
+        tenant runs below its fair share (as `_admit_below_share` would admit it); None when there is none. The
+        running sequences are mid-step, so nothing is preempted: the batch needs a free slot and the pool free
+        blocks. The step after counts as following an alone step, so one cut-in per step at most."""
+        if (self._last_step_alone or not self.waiting or len(self.running) >= self.config.max_num_seqs
+                or self.config.admission_policy != "max_utilization"):
+            return None
+        seq = self.waiting[self._next_waiting()]
+        if self._heavier_tenant(seq) is None or self._at_running_quota(seq):
+            return None
+        n = self._allocate_first_chunk(seq, self.config.max_num_batched_tokens, self.kv.find_cached_prefix(seq))
+        if not n:
+            return None
+        self._last_step_alone = True
+        return SchedulerOutput([(seq, n)], [])
 
     # -- after the step ---------------------------------------------------------------------------
 

@@ -94,6 +94,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.last_round = 0.0  # Unix time the loop last went round
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._deferred: list[tuple[str, object]] = []  # inbox items taken inside a step, handled after it
         self._active: dict[str, Submission] = {}
         self._ids = itertools.count()
         self._stopping = threading.Event()
@@ -161,7 +162,7 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     busy = True
                     start = time.monotonic()
-                    outputs = self.engine.step()
+                    outputs = self.engine.step(self._between_layers)
                     for out in outputs:
                         self._dispatch(out)
                     if events := self.engine.kv.take_events():
@@ -174,6 +175,9 @@ class EngineLoop:
             self._fail_all(EngineDeadError(f"the engine failed: {err!r}"))
 
     def _drain_inbox(self, block: bool) -> None:
+        for item in self._deferred:
+            self._handle(*item)
+        self._deferred.clear()
         try:
             item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
             while True:
@@ -181,6 +185,27 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             return
+
+    def _between_layers(self) -> None:
+        """Inside a step, between the model's layers: new requests are admitted, and one whose tenant runs below
+        its fair share may cut in (LLMEngine.cut_in) and get its first token now. Everything else waits for the
+        step's end: an abort would free blocks the step in flight still writes."""
+        if self._inbox.empty():
+            return
+        admitted = False
+        try:
+            while True:
+                kind, payload = self._inbox.get_nowait()
+                if kind == "add":
+                    self._admit(payload)
+                    admitted = True
+                else:
+                    self._deferred.append((kind, payload))
+        except queue.Empty:
+            pass
+        if admitted:
+            for out in self.engine.cut_in():
+                self._dispatch(out)
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "add":

@@ -1,13 +1,16 @@
 """The runner contract: one forward over a flat batch, KV cache owned by the runner.
 
-`forward(batch)` returns float32 logits [S, vocab] (on the host) for the last token of each
-sequence and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`. The cache,
+`forward(batch, between_layers)` returns float32 logits [S, vocab] (on the host) for the last token of each
+sequence and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`. A runner that runs
+the model layer by layer (PyTorch) calls `between_layers`, when given, between its layers; a compiled graph
+(ONNX Runtime, TensorRT) runs whole and never calls it. The cache,
 `kv_cache` [layers, 2, num_blocks, block_size, kv_heads, head_dim], is a torch tensor on every runtime, so
 blocks can be copied in and out of it (disaggregated prefill, backend/engine/kv_transfer.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -30,7 +33,7 @@ class Runner(Protocol):
     block_size: int
     kv_cache: torch.Tensor
 
-    def forward(self, batch: ModelInput) -> torch.Tensor: ...
+    def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor: ...
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -70,7 +70,8 @@ class OnnxRunner:
              tuple(tensor.shape), tensor.data_ptr())
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> torch.Tensor:
+    def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """The graph runs whole: `between_layers` is never called."""
         inputs = {k: torch.from_numpy(v).to(self.device) for k, v in batch.graph_inputs().items()}
         for name, tensor in inputs.items():
             self._bind(name, tensor, self.binding.bind_input)

@@ -7,6 +7,7 @@ runs on the runner's own torch CUDA stream, and the new K/V go into the cache in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,7 +60,8 @@ class TensorRTRunner:
         self.context.set_tensor_address(name, tensor.data_ptr())
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> torch.Tensor:
+    def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """The graph runs whole: `between_layers` is never called."""
         with torch.cuda.stream(self.stream):
             inputs = {k: torch.from_numpy(v).to(self.device) for k, v in batch.graph_inputs().items()}
             for name, tensor in inputs.items():

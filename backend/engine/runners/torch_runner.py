@@ -9,6 +9,7 @@ GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic nam
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ class TorchRunner:
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ModelInput) -> torch.Tensor:
+    def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         def tensor(a) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device)
 
@@ -61,8 +62,9 @@ class TorchRunner:
         if self.attention == "kernel":
             kernel = KernelLayout(tensor(batch.block_tables), tensor(batch.query_start), tensor(batch.context_lens),
                                   tensor(batch.slot_mapping))
-            logits, _ = self.model(**inputs, kv_cache=self.kv_cache, kernel=kernel)  # writes K/V itself
+            logits, _ = self.model(**inputs, kv_cache=self.kv_cache, kernel=kernel,  # writes K/V itself
+                                   between_layers=between_layers)
         else:
-            logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache)
+            logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache, between_layers=between_layers)
             write_new_kv(self.kv_cache, batch, new_kv)
         return logits.cpu()
