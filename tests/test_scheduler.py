@@ -154,6 +154,32 @@ def test_a_first_chunk_below_its_share_runs_alone_at_most_every_other_step():
     assert len(out.scheduled) == 8
 
 
+def test_a_light_tenant_goes_alone_before_a_burst_or_beside_work_when_it_runs_nothing():
+    sched = make(max_num_seqs=8, max_num_batched_tokens=1000)
+    for s in [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(12)]:  # a flood whose streams all began
+        sched.add(s)
+    sched.add(seq("b0", 4, tenant="b"))
+    out = sched.schedule()  # a's waiting work is above its share: b0 does not share a step with a's prefills
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("b0", 4)]
+    advance(sched, out)
+    out = sched.schedule()
+    assert [s.request_id for s, _ in out.scheduled] == ["b0", *(f"a{i}" for i in range(7))]
+
+    sched = make(max_num_seqs=8, max_num_batched_tokens=1000)  # a runs within its share, its next requests coming
+    for s in [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(2)]:
+        sched.add(s)
+    advance(sched, sched.schedule())
+    sched.add(seq("b0", 4, tenant="b"))
+    sched.add(seq("a2", 4, max_tokens=100, tenant="a"))
+    out = sched.schedule()  # b runs nothing beside a's work: light, alone
+    assert [s.request_id for s, _ in out.scheduled] == ["b0"]
+    advance(sched, out)
+    advance(sched, sched.schedule())
+    sched.add(seq("b1", 4, tenant="b"))
+    out = sched.schedule()  # b runs something now: b1 shares the step like everyone
+    assert {s.request_id for s, _ in out.scheduled} == {"a0", "a1", "a2", "b0", "b1"}
+
+
 def test_a_first_chunk_below_its_share_cuts_into_the_step_in_flight_once_and_never_preempts():
     sched = make(max_num_seqs=8, max_num_batched_tokens=1000)
     flood = [seq(f"a{i}", 4, max_tokens=100, tenant="a") for i in range(6)]
@@ -231,7 +257,7 @@ def test_tenant_running_quota_skips_to_other_tenants():
     sched.add(seq("b", 4, tenant="t1"))
     sched.add(seq("c", 4, tenant="t2"))
     out = sched.schedule()
-    assert [s.request_id for s, _ in out.scheduled] == ["a", "c"]
+    assert [s.request_id for s, _ in out.scheduled] == ["c", "a"]  # t2 has less waiting: it goes first
     assert [s.request_id for s in sched.waiting] == ["b"]
 
 
