@@ -227,6 +227,42 @@ def test_a_light_tenant_arriving_mid_step_gets_its_first_token_before_that_step_
     loop.shutdown()
 
 
+def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(loop):
+    """The output thread is held inside a's first send while a's next tokens queue up behind it; b's first token,
+    queued after them, is sent before them. Each request's own outputs stay in order."""
+    gate, sent = threading.Event(), []
+
+    def submit_held(client: str, hold: bool) -> Recorder:
+        rec = Recorder()
+
+        def emit(out) -> None:
+            if hold and not rec.tokens:
+                gate.wait(30)
+            rec.emit(out)
+            sent.append((client, len(rec.tokens)))
+
+        req = GenerationRequest(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), stream=True)
+        loop.submit(Submission(client, req, emit, rec.fail))
+        return rec
+
+    def tokens(client: str) -> int:
+        return max((len(s.output_token_ids) for rid, s in list(loop.engine.requests.items())
+                    if rid.startswith(client + "#")), default=0)
+
+    a = submit_held("a", hold=True)
+    deadline = time.monotonic() + 30
+    while tokens("a") < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    b = submit_held("b", hold=False)
+    while tokens("b") < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    gate.set()
+    assert a.done.wait(30) and b.done.wait(30) and a.ends == b.ends == 1
+    assert sent[:2] == [("a", 1), ("b", 1)] and ("a", 2) in sent
+    assert [n for client, n in sent if client == "a"] == list(range(1, 41))
+    assert [n for client, n in sent if client == "b"] == list(range(1, 41))
+
+
 class Beats(LoopObserver):
     def __init__(self):
         self.beats: list[float] = []
