@@ -4,6 +4,7 @@ server not-ready, in-flight streams end with an error, and the server serves aga
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,17 +121,21 @@ def _printed_until(launched: Launched, text: str, timeout: float = 120.0) -> str
     return "".join(launched.output)
 
 
-def test_a_killed_llm_stub_is_reported_and_the_server_restarted(launched: Launched) -> None:
+def test_a_crashed_llm_stub_is_reported_with_its_stacks_and_the_server_restarted(launched: Launched) -> None:
+    """SIGSEGV, as the python backend's own crashes end a stub: the stub writes its threads' Python stacks to
+    the server log (faulthandler, backend/triton/glue.py) before it dies."""
     stub = launched.llm_stub()
-    threads, results, killed_at = _streams_then(launched, lambda: os.kill(stub, signal.SIGKILL))
+    threads, results, killed_at = _streams_then(launched, lambda: os.kill(stub, signal.SIGSEGV))
     not_ready, serving = _recovery(launched, killed_at)
     for thread, ended in zip(threads, results):
         thread.join(10)
         assert "error" in ended and "final" not in ended, ended  # one final error, not a hang
         assert ended["at"] - killed_at < 5, ended
     assert not_ready < 5 and serving < RECOVERY_S
-    assert f"the python backend stub of llm_0_0 (pid {stub}) died: killed tritonserver" in \
-        _printed_until(launched, "tritonserver restarted")
+    output = _printed_until(launched, "tritonserver restarted")
+    assert f"the python backend stub of llm_0_0 (pid {stub}) died: killed tritonserver" in output
+    log = Path(re.search(r"log in (\S+)\. Try", output).group(1)).read_text(errors="replace")
+    assert "Fatal Python error: Segmentation fault" in log and "backend/serving/engine_thread.py" in log
 
 
 def test_a_frozen_engine_is_reported_and_the_server_restarted(launched: Launched) -> None:

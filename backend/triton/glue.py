@@ -4,6 +4,7 @@ The model.py files import pb_utils (it exists only inside the Triton stub) and p
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import re
 
@@ -16,6 +17,10 @@ from backend.serving.tokenizer import load_tokenizer
 from backend.serving.model_store import resolve_model_dir
 
 INPUT_NAMES = frozenset(t.name for t in INPUTS)
+
+# A stub that dies of a fatal signal (the python backend's own crash family, Triton server issue 8882) first
+# writes every thread's Python stack to its stderr, which is the server's log.
+faulthandler.enable(all_threads=True)
 
 
 def model_parameters(args: dict) -> dict[str, str]:
