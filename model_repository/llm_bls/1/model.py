@@ -30,6 +30,7 @@ class TritonPythonModel:
         self.llm = model_parameters(args).get("llm_model", "llm")
         self.active: dict[str, set[str]] = {}  # client request id -> its llm request ids
         self.lock = threading.Lock()
+        self.stop_lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
@@ -92,12 +93,16 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
 
     def _stop(self, llm_id: str) -> None:
+        """One stop at a time: a stop is a short-lived decoupled BLS stream, and the stub segfaulted inside
+        `exec` with 8 of them in flight at once (its traceback, 2026-11-23; the python backend's stream map
+        under concurrent decoupled BLS, Triton server issues 8882 and 8922). The llm answers a stop at once."""
         stop = pb_utils.InferenceRequest(
             model_name=self.llm, request_id=llm_id, requested_output_names=["is_final"],
             inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 0), np.int32)),
                     pb_utils.Tensor("stop", np.array([[True]]))])
-        for _ in stop.exec(decoupled=True):
-            pass
+        with self.stop_lock:
+            for _ in stop.exec(decoupled=True):
+                pass
 
 
 def _text_response(text: str, outs: dict) -> "pb_utils.InferenceResponse":
