@@ -11,20 +11,21 @@ Admission policies, as in TensorRT-LLM's `batch_scheduler_policy`:
 - `guaranteed_no_evict`: admit only while every admitted sequence can reach its maximum length
   (prompt + max_tokens) in the pool; nothing is ever preempted.
 
-Priority: lower value is served first; within a class the tenant with the fewest running sequences is
-admitted first (fair share by default), then FCFS. Ordering alone is not enough once one tenant's flood fills
-`max_num_seqs`: a late tenant then waits for one of the flood's sequences to end (measured: 66x its solo TTFT
-at p99). So under `max_utilization`, when the batch is full and the next waiting sequence's tenant runs fewer
-than its fair share (max_num_seqs over the tenants with work), the newest sequence of the tenant furthest over
-its share is preempted (recompute; its full blocks stay in the prefix cache) to make room. Running sequences
-are scheduled lightest tenant first, so when the pool runs short of blocks the victim (the tail) is also the
-heaviest tenant's newest sequence. A sequence admitted below its share runs its first chunk in a step of its own,
-ahead of the decodes (as SGLang and vLLM V0 schedule every prefill): in a mixed step it would wait for the
-flood's whole decode batch (measured on 2 cores beside 48 streams: 178 ms in the mixed step, 82 ms alone). At
+Priority: lower value is served first; within a class the tenant with the fewest running sequences is admitted
+first (fair share by default), then the one with the fewest waiting, then FCFS. Ordering alone is not enough once
+one tenant's flood fills `max_num_seqs`: a late tenant then waits for one of the flood's sequences to end
+(measured: 66x its solo TTFT at p99). So under `max_utilization`, when the batch is full and the next waiting
+sequence's tenant runs fewer than its fair share (max_num_seqs over the tenants with work), the newest sequence of
+the tenant furthest over its share is preempted (recompute; its full blocks stay in the prefix cache) to make
+room. Running sequences are scheduled lightest tenant first, so when the pool runs short of blocks the victim (the
+tail) is also the heaviest tenant's newest sequence. A light sequence (`_heavier_tenant`: its tenant runs below
+its share beside a tenant with work above it, or runs nothing beside one that runs) runs its first chunk in a step
+of its own, ahead of the decodes (as SGLang and vLLM V0 schedule every prefill): in a mixed step it would wait for
+the flood's whole decode batch (measured on 2 cores beside 48 streams: 178 ms in the mixed step, 82 ms alone). At
 most every other step is such a step, so arrivals cannot starve the running batch. Such a first chunk may also cut
 into the step in flight (`schedule_cut_in`, between the model's layers, when the serving loop sees it arrive): the
-step it would otherwise wait for takes 3x its whole solo TTFT beside a flood. Tenant quotas cap a tenant's
-running sequences and KV blocks; a tenant over its block quota preempts its own newest sequence.
+step it would otherwise wait for takes 3x its whole solo TTFT beside a flood. Tenant quotas cap a tenant's running
+sequences and KV blocks; a tenant over its block quota preempts its own newest sequence.
 """
 
 from __future__ import annotations
