@@ -171,7 +171,8 @@ def main() -> None:
     p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
     p.add_argument("--served-model-name", default=MODEL_NAME)
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the cluster as Ctrl-C does
+    for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the cluster as Ctrl-C does; SIGINT may start
+        signal.signal(sig, signal.default_int_handler)  # ignored (a background job of a script)
     if args.prefill_workers or args.decode_workers:
         args.workers = 0
     layout = (f"{args.prefill_workers} prefill + {args.decode_workers} decode workers" if args.prefill_workers

@@ -327,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:split])
     extra = argv[split + 1:] + ([] if args.auto_complete_config else ["--disable-auto-complete-config"])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM stops it as Ctrl-C does; SIGINT is set too, since a background job of a script starts with it
+    # ignored, and Python then leaves it so (seen: the CLI tests under `bash -c '.ci/run' &`)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                           args.log_verbose, extra, log_path=args.log_file, echo=True)
     try:
