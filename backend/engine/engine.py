@@ -169,10 +169,10 @@ class LLMEngine:
             self._in_step = False
 
     def cut_in(self) -> list[RequestOutput]:
-        """Called between the layers of a step in flight: runs the first chunk of a waiting sequence whose tenant
-        runs below its fair share as a step of its own, now, instead of after the step in flight (which on a
-        small CPU beside a flood takes 3x such a request's whole solo TTFT). Its outputs; [] when there is none,
-        it would need a preemption, or a step already had its cut-in (scheduler.schedule_cut_in)."""
+        """Called between the layers of a step in flight: runs the first chunk of a waiting sequence of a light
+        tenant (Scheduler._heavier_tenant) as a step of its own, now, instead of after the step in flight (which
+        on a small CPU beside a flood takes 3x such a request's whole solo TTFT). Its outputs; [] when there is
+        none, it would need a preemption, or a step already had its cut-in (Scheduler.schedule_cut_in)."""
         if not self._in_step:
             raise RuntimeError("cut_in() runs only between the layers of a step in flight")
         sched = self.scheduler.schedule_cut_in()

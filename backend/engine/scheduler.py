@@ -266,8 +266,8 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def schedule_cut_in(self) -> SchedulerOutput | None:
-        """While a step is in flight, a step of its own for the first chunk of the next waiting sequence when its
-        tenant runs below its fair share (as `_admit_below_share` would admit it); None when there is none. The
+        """While a step is in flight, a step of its own for the first chunk of the next waiting sequence when it
+        is light (`_heavier_tenant`, as `_admit_below_share` would admit it); None when there is none. The
         running sequences are mid-step, so nothing is preempted: the batch needs a free slot and the pool free
         blocks. The step after counts as following an alone step, so one cut-in per step at most."""
         if (self._last_step_alone or not self.waiting or len(self.running) >= self.config.max_num_seqs
