@@ -133,7 +133,10 @@ def test_a_crashed_llm_stub_is_reported_with_its_stacks_and_the_server_restarted
         assert ended["at"] - killed_at < 5, ended
     assert not_ready < 5 and serving < RECOVERY_S
     output = _printed_until(launched, "tritonserver restarted")
-    assert f"the python backend stub of llm_0_0 (pid {stub}) died: killed tritonserver" in output
+    # the supervisor (polling each second) sees the dead stub, or tritonserver aborted first when the stub died
+    # holding a lock it shares with it (SIGABRT, the python backend's own abort; seen once in four runs)
+    assert f"the python backend stub of llm_0_0 (pid {stub}) died: killed tritonserver" in output or \
+        "tritonserver exited with -6" in output, output
     log = Path(re.search(r"log in (\S+)\. Try", output).group(1)).read_text(errors="replace")
     assert "Fatal Python error: Segmentation fault" in log and "backend/serving/engine_thread.py" in log
 
