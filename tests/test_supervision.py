@@ -148,3 +148,18 @@ def test_a_frozen_engine_is_reported_and_the_server_restarted(launched: Launched
     not_ready, serving = _recovery(launched, frozen_at)
     assert not_ready < 15 and serving < RECOVERY_S  # the test's --stall-timeout is 5 s
     assert "the engine loop of llm has not gone round for" in _printed_until(launched, "tritonserver restarted")
+
+
+def test_sigusr1_writes_a_live_stubs_stacks_to_the_log_and_it_serves_on(launched: Launched) -> None:
+    """What the supervisor sends every stub before it kills a server whose engine is wedged, and what an operator
+    can send by hand (faulthandler, backend/triton/glue.py)."""
+    stub = launched.llm_stub()
+    log = Path(re.search(r"log in (\S+)\. Try", "".join(launched.output)).group(1))
+    os.kill(stub, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "backend/serving/engine_thread.py" not in log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.1)
+    with LLMClient(f"127.0.0.1:{launched.grpc}") as client:
+        assert client.generate("Hello there", max_tokens=4).text
+    assert launched.llm_stub() == stub and launched.ready()

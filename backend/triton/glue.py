@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import re
+import signal
 
 import numpy as np
 
@@ -19,8 +20,10 @@ from backend.serving.model_store import resolve_model_dir
 INPUT_NAMES = frozenset(t.name for t in INPUTS)
 
 # A stub that dies of a fatal signal (the python backend's own crash family, Triton server issue 8882) first
-# writes every thread's Python stack to its stderr, which is the server's log.
+# writes every thread's Python stack to its stderr, which is the server's log; so does a live one on SIGUSR1
+# (`kill -USR1 <stub pid>`, and the launcher's supervisor before it kills a server whose engine is wedged).
 faulthandler.enable(all_threads=True)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def model_parameters(args: dict) -> dict[str, str]:

@@ -9,11 +9,14 @@
   backend/serving/engine_thread.py) is -1 or older than the stall timeout.
 
 Such a server is killed, not stopped gracefully (its in-flight requests can never finish): their clients get a
-broken connection at once, and the ready endpoint answers nothing until the new server is ready.
+broken connection at once, and the ready endpoint answers nothing until the new server is ready. Before a
+wedged engine's server is killed, its stubs write their threads' Python stacks to the server log.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 
 STUB = "triton_python_backend_stub"
 HEARTBEAT = "llm_engine_heartbeat_timestamp_seconds"
+DUMP_WAIT_S = 1.0  # for the stubs' stack dumps to reach the log before the kill
 
 
 def stub_processes(server_pid: int) -> dict[str, int]:
@@ -69,6 +73,16 @@ class Supervisor:
                 return f"{reason}: killed tritonserver"
         return f"tritonserver exited with {self.server.poll()}"
 
+    def _dump_stacks(self) -> None:
+        """Every live stub writes its threads' Python stacks to the server log (SIGUSR1, backend/triton/glue.py),
+        so a wedged engine's log says where it was stuck."""
+        for pid in stub_processes(self.server.pid).values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(DUMP_WAIT_S)
+
     def check(self) -> str | None:
         """Why the server cannot serve, or None."""
         live = stub_processes(self.server.pid)
@@ -87,6 +101,7 @@ class Supervisor:
             if last < 0:
                 return f"the engine loop of {model} died"
             if last > 0 and (stalled := time.time() - last) > self.stall_timeout_s:
+                self._dump_stacks()
                 return f"the engine loop of {model} has not gone round for {stalled:.0f} s (stall timeout " \
-                       f"{self.stall_timeout_s:.0f} s)"
+                       f"{self.stall_timeout_s:.0f} s; the stubs' stacks are in the server log)"
         return None
