@@ -12,6 +12,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.serving.engine_thread import EngineDeadError, EngineLoop, LoopObserver, Submission
 from backend.serving.request import GenerationRequest
 from backend.engine.sampling import SamplingParams
+from backend.engine.scheduler import SchedulerOutput
 from backend.serving.tokenizer import load_tokenizer
 from backend.engine.runners.torch_runner import TorchRunner
 
@@ -348,3 +349,26 @@ def test_a_request_whose_output_cannot_be_sent_is_aborted(loop):
         time.sleep(0.1)
     assert sends[-1] and len(sends) < 500  # cancelled long before max_tokens, final output attempted
     assert loop.num_active == 0 and loop.engine.kv.num_used_blocks == 0
+
+
+def test_the_heartbeat_stands_still_while_work_waits_that_no_step_takes(tiny_model_dir):
+    """A loop that goes round but schedules nothing for a waiting request is wedged too: its heartbeat must not
+    tell the supervisor otherwise. The scheduler is made to admit nothing, then let go."""
+    config = EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)
+    observer = Beats()
+    loop = EngineLoop(lambda: LLMEngine(config), observer=observer).start()
+    scheduler = loop.engine.scheduler
+    admit = scheduler.schedule
+    scheduler.schedule = lambda: SchedulerOutput([], [])
+    rec = submit(loop, max_tokens=4)
+    time.sleep(0.5)
+    stuck_at = observer.beats[-1]
+    time.sleep(2.5)
+    assert loop.alive and not rec.done.is_set() and observer.beats[-1] == stuck_at
+    scheduler.schedule = admit
+    assert rec.done.wait(30)
+    deadline = time.monotonic() + 5
+    while observer.beats[-1] <= stuck_at and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert observer.beats[-1] > stuck_at
+    loop.shutdown()

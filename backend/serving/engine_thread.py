@@ -6,12 +6,14 @@ ends exactly once: with a finished output through `emit`, or through `fail` (not
 died, shutdown). If the loop dies, it fails everything in flight and `alive` turns False.
 
 `emit`, `fail` and the observer's hooks run on a second thread, the output thread, in the order the
-loop queued them, but that a request's first output goes ahead of what is queued (`_queue`). A Triton response send is a synchronous round trip to the server process (and each
-metric update another): on the engine thread they held up the next step, and with it both OpenMP
-threads, for about 5 % of a busy loop's time. The output thread waits for them while the next step runs.
+loop queued them, but that a request's first output goes ahead of what is queued (`_queue`). A Triton
+response send is a synchronous round trip to the server process (and each metric update another): on the
+engine thread they held up the next step, and with it both OpenMP threads, for about 5 % of a busy loop's
+time. The output thread waits for them while the next step runs.
 It also reports the loop's heartbeat about once a second (`LoopObserver.on_heartbeat`): the time the loop
-last went round, which stands still while a step runs and turns -1 once the loop has died, so a supervisor
-outside the process tells a dead or wedged engine from a busy one.
+last went round idle or after a step that did work. It stands still while a step runs, and while the loop goes
+round with work that no step takes (a scheduler that admits nothing), and turns -1 once the loop has died, so
+a supervisor outside the process tells a dead or wedged engine from a busy one.
 
 The loop thread also builds the engine, so every OpenMP parallel region of the process starts from this
 one thread. Each thread that starts one gets its own libgomp worker pool, and once a process has more
@@ -81,8 +83,8 @@ class LoopObserver:
         """Prefix-cache stores and evictions of one step, in order (only with `enable_kv_events`)."""
 
     def on_heartbeat(self, last_round: float) -> None:
-        """About once a second: the Unix time the loop last went round (admission, cancellations, a step
-        ended); -1 once it has died."""
+        """About once a second: the Unix time the loop last went round idle or after a step that did work
+        (the module docstring); -1 once it has died."""
 
 
 class EngineLoop:
@@ -93,7 +95,7 @@ class EngineLoop:
         self.tokenizer = tokenizer  # needed for stop strings
         self.observer = observer or LoopObserver()
         self.error: BaseException | None = None
-        self.last_round = 0.0  # Unix time the loop last went round
+        self.last_round = 0.0  # Unix time the loop last went round idle or after a step that did work
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: list[tuple[str, object]] = []  # inbox items taken inside a step, handled after it
         self._active: dict[str, Submission] = {}
@@ -154,15 +156,18 @@ class EngineLoop:
         finally:
             self._built.set()
         busy = False
+        progressed = True
         try:
             while not self._stopping.is_set():
-                self.last_round = time.time()
+                if progressed:
+                    self.last_round = time.time()
                 self._drain_inbox(block=not self.engine.has_unfinished())
                 self._poll_cancellations()
                 if busy and not self.engine.has_unfinished():  # an abort frees blocks without a step
                     busy = False
                     self._queue(functools.partial(self.observer.on_idle, self.engine.stats()))
-                if self.engine.has_unfinished():
+                progressed = not self.engine.has_unfinished()
+                if not progressed:
                     busy = True
                     start = time.monotonic()
                     outputs = self.engine.step(self._between_layers)
@@ -170,8 +175,9 @@ class EngineLoop:
                         self._dispatch(out)
                     if events := self.engine.kv.take_events():
                         self._queue(functools.partial(self.observer.on_kv_events, events))
-                    self._queue(functools.partial(self.observer.on_step, self.engine.stats(),
-                                                  time.monotonic() - start))
+                    stats = self.engine.stats()
+                    progressed = bool(outputs or stats.last_step_tokens)
+                    self._queue(functools.partial(self.observer.on_step, stats, time.monotonic() - start))
         except BaseException as err:  # noqa: BLE001 - a dead loop must be loud and fail its requests
             LOG.exception("engine loop died")
             self.error = err

@@ -320,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="restart a tritonserver that exits by itself, after 1, 2, 4 .. 30 s; the count starts "
                              "again after 10 minutes up; -1: always, 0: never")
     parser.add_argument("--stall-timeout", type=float, default=30.0,
-                        help="restart a tritonserver whose engine loop has not gone round for this long (a step "
-                             "running longer counts as wedged), or whose python backend stub died; 0: only the latter")
+                        help="restart a tritonserver whose engine loop has made no progress for this long (a step "
+                             "running longer, or work waiting that no step takes, counts as wedged), or whose "
+                             "python backend stub died; 0: only the latter")
     parser.add_argument("--auto-complete-config", action="store_true",
                         help="let Triton complete configs (it then loads each python model twice; ours are complete)")
     args = parser.parse_args(argv[:split])

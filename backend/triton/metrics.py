@@ -48,7 +48,8 @@ class TritonMetrics(LoopObserver):
         self.itl = metric("llm_inter_token_latency_seconds", "Between consecutive tokens of a request",
                           fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
         self.heartbeat = metric("llm_engine_heartbeat_timestamp_seconds", "Unix time the engine loop last went "
-                                "round (it stands still while a step runs); 0: not yet reported; -1: the loop has died", fam.GAUGE)
+                                "round idle or after a step that did work (it stands still while a step runs or work "
+                                "waits that no step takes); 0: not yet reported; -1: the loop has died", fam.GAUGE)
         self._preemptions_seen = 0
 
     def on_step(self, s: EngineStats, step_seconds: float) -> None:

@@ -5,7 +5,7 @@
   'llm_0_0' is not healthy" for as long as we watched, streams in flight never ended, and /v2/health/ready
   kept answering 200. Reloading the model through the model-control API brings it back in ~5 s, but the dead
   stub's streams still never end and its instance stays UNLOADING forever, holding them.
-- An engine loop that died or stopped going round: the llm model's heartbeat gauge (see
+- An engine loop that died or stopped making progress: the llm model's heartbeat gauge (see
   backend/serving/engine_thread.py) is -1 or older than the stall timeout.
 
 Such a server is killed, not stopped gracefully (its in-flight requests can never finish): their clients get a
@@ -102,6 +102,6 @@ class Supervisor:
                 return f"the engine loop of {model} died"
             if last > 0 and (stalled := time.time() - last) > self.stall_timeout_s:
                 self._dump_stacks()
-                return f"the engine loop of {model} has not gone round for {stalled:.0f} s (stall timeout " \
+                return f"the engine loop of {model} has made no progress for {stalled:.0f} s (stall timeout " \
                        f"{self.stall_timeout_s:.0f} s; the stubs' stacks are in the server log)"
         return None
