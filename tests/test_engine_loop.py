@@ -372,3 +372,50 @@ def test_the_heartbeat_stands_still_while_work_waits_that_no_step_takes(tiny_mod
         time.sleep(0.1)
     assert observer.beats[-1] > stuck_at
     loop.shutdown()
+
+
+class Refusals(LoopObserver):
+    def __init__(self):
+        self.refused: list[str] = []
+
+    def on_refused(self, reason: str) -> None:
+        self.refused.append(reason)
+
+
+def test_a_refusal_is_counted_before_its_client_hears_of_it(tiny_model_dir):
+    """A refusal goes ahead of the outputs queued before it (the first-output lane), and its metric with it: a
+    client that got 'overloaded' and reads the metrics finds itself counted (the server test does just that).
+    The output thread is held in a's first send while a's next tokens queue; then b is refused."""
+    observer = Refusals()
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))), observer=observer).start()
+    gate, sent = threading.Event(), []
+    held = Recorder()
+
+    def emit(out) -> None:
+        if not held.tokens:
+            gate.wait(30)
+        held.emit(out)
+        sent.append(("a", len(held.tokens)))
+
+    loop.submit(Submission("a", GenerationRequest(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True),
+                                                  stream=True), emit, held.fail))
+    deadline = time.monotonic() + 30
+    while not (seqs := list(loop.engine.requests.values())) or len(seqs[0].output_token_ids) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    refused = Recorder()
+
+    def fail(err: Exception) -> None:
+        sent.append(("b refused", list(observer.refused)))
+        refused.fail(err)
+
+    n = len(seqs[0].output_token_ids)
+    loop.submit(Submission("b", GenerationRequest(PROMPT, SamplingParams(max_tokens=10**7), stream=True),
+                           refused.emit, fail))
+    while len(seqs[0].output_token_ids) < n + 2:  # the loop has gone round since: b's refusal is queued
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    gate.set()
+    assert held.done.wait(30) and refused.done.wait(30)
+    assert sent[:2] == [("a", 1), ("b refused", ["invalid"])], sent[:3]
+    loop.shutdown()

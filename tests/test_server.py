@@ -195,22 +195,24 @@ def test_overload_answers_overloaded_and_serves_the_rest(server):
     threads = [threading.Thread(target=hold, args=(c,)) for c in clients]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while (m := metrics(server))["llm_num_requests_running"] < running or m["llm_num_requests_waiting"] < waiting:
-        assert time.monotonic() < deadline, f"the engine never filled up: {m}"
-        time.sleep(0.01)
-    refused = metrics(server).get('llm_requests_refused_total{reason="overloaded"}', 0)
-    with LLMClient(grpc_url(server)) as extra:
-        for _ in range(3):
-            with pytest.raises(InferenceServerException, match="overloaded"):
-                extra.generate("Hi", max_tokens=8)
-    assert metrics(server)['llm_requests_refused_total{reason="overloaded"}'] == refused + 3
-    for client in clients:
-        client.cancel()
-    for t in threads:
-        t.join(60)
-    for client in clients:
-        client.close()
+    try:
+        deadline = time.monotonic() + 60
+        while (m := metrics(server))["llm_num_requests_running"] < running or m["llm_num_requests_waiting"] < waiting:
+            assert time.monotonic() < deadline, f"the engine never filled up: {m}"
+            time.sleep(0.01)
+        refused = metrics(server).get('llm_requests_refused_total{reason="overloaded"}', 0)
+        with LLMClient(grpc_url(server)) as extra:
+            for _ in range(3):
+                with pytest.raises(InferenceServerException, match="overloaded"):
+                    extra.generate("Hi", max_tokens=8)
+        assert metrics(server)['llm_requests_refused_total{reason="overloaded"}'] == refused + 3
+    finally:  # a failure here must not leave the shared server full for the tests after it
+        for client in clients:
+            client.cancel()
+        for t in threads:
+            t.join(60)
+        for client in clients:
+            client.close()
     assert len(finals) == len(clients) and set(finals) <= {"cancelled", "length"}, finals
     with LLMClient(grpc_url(server)) as client:
         assert client.generate("Hi", max_tokens=8, ignore_eos=True, return_num_output_tokens=True) \
