@@ -166,8 +166,8 @@ class EngineLoop:
                 if busy and not self.engine.has_unfinished():  # an abort frees blocks without a step
                     busy = False
                     self._queue(functools.partial(self.observer.on_idle, self.engine.stats()))
-                progressed = not self.engine.has_unfinished()
-                if not progressed:
+                progressed = True  # idle
+                if self.engine.has_unfinished():
                     busy = True
                     start = time.monotonic()
                     outputs = self.engine.step(self._between_layers)
