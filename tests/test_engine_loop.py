@@ -228,35 +228,40 @@ def test_a_light_tenant_arriving_mid_step_gets_its_first_token_before_that_step_
     loop.shutdown()
 
 
+def submit_logged(loop: EngineLoop, client: str, sent: list, gate: threading.Event | None = None) -> Recorder:
+    """A 40-token stream whose sends are logged in `sent` as (client, tokens so far); with a `gate`, its first send
+    waits for it, holding the output thread while the stream's next tokens queue up behind."""
+    rec = Recorder()
+
+    def emit(out) -> None:
+        if gate is not None and not rec.tokens:
+            gate.wait(30)
+        rec.emit(out)
+        sent.append((client, len(rec.tokens)))
+
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), stream=True)
+    loop.submit(Submission(client, req, emit, rec.fail))
+    return rec
+
+
+def engine_sequence(loop: EngineLoop, client: str, min_tokens: int, deadline: float):
+    """The engine's sequence of the client's request, once it has at least `min_tokens` output tokens."""
+    while not (seqs := [s for rid, s in list(loop.engine.requests.items()) if rid.startswith(client + "#")]) \
+            or len(seqs[0].output_token_ids) < min_tokens:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return seqs[0]
+
+
 def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(loop):
     """The output thread is held inside a's first send while a's next tokens queue up behind it; b's first token,
     queued after them, is sent before them. Each request's own outputs stay in order."""
     gate, sent = threading.Event(), []
-
-    def submit_held(client: str, hold: bool) -> Recorder:
-        rec = Recorder()
-
-        def emit(out) -> None:
-            if hold and not rec.tokens:
-                gate.wait(30)
-            rec.emit(out)
-            sent.append((client, len(rec.tokens)))
-
-        req = GenerationRequest(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), stream=True)
-        loop.submit(Submission(client, req, emit, rec.fail))
-        return rec
-
-    def tokens(client: str) -> int:
-        return max((len(s.output_token_ids) for rid, s in list(loop.engine.requests.items())
-                    if rid.startswith(client + "#")), default=0)
-
-    a = submit_held("a", hold=True)
+    a = submit_logged(loop, "a", sent, gate)
     deadline = time.monotonic() + 30
-    while tokens("a") < 3 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    b = submit_held("b", hold=False)
-    while tokens("b") < 1 and time.monotonic() < deadline:
-        time.sleep(0.001)
+    engine_sequence(loop, "a", 3, deadline)
+    b = submit_logged(loop, "b", sent)
+    engine_sequence(loop, "b", 1, deadline)
     gate.set()
     assert a.done.wait(30) and b.done.wait(30) and a.ends == b.ends == 1
     assert sent[:2] == [("a", 1), ("b", 1)] and ("a", 2) in sent
@@ -264,18 +269,24 @@ def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(loop):
     assert [n for client, n in sent if client == "b"] == list(range(1, 41))
 
 
-class Beats(LoopObserver):
+class Reported(LoopObserver):
+    """What the loop reports to its observer: heartbeats and refusals."""
+
     def __init__(self):
         self.beats: list[float] = []
+        self.refused: list[str] = []
 
     def on_heartbeat(self, last_round: float) -> None:
         self.beats.append(last_round)
+
+    def on_refused(self, reason: str) -> None:
+        self.refused.append(reason)
 
 
 def test_the_heartbeat_goes_on_while_idle_and_turns_negative_when_the_loop_dies(tiny_model_dir):
     config = EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)
     runner = FailingRunner(TorchRunner(config.model, config.dtype, 256, config.cache.block_size), fail_at=3)
-    observer = Beats()
+    observer = Reported()
     loop = EngineLoop(lambda: LLMEngine(config, runner=runner), observer=observer).start()
     assert observer.beats and observer.beats[0] > 0  # one before start() returns, i.e. before Triton's ready
     time.sleep(2.5)
@@ -355,7 +366,7 @@ def test_the_heartbeat_stands_still_while_work_waits_that_no_step_takes(tiny_mod
     """A loop that goes round but schedules nothing for a waiting request is wedged too: its heartbeat must not
     tell the supervisor otherwise. The scheduler is made to admit nothing, then let go."""
     config = EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)
-    observer = Beats()
+    observer = Reported()
     loop = EngineLoop(lambda: LLMEngine(config), observer=observer).start()
     scheduler = loop.engine.scheduler
     admit = scheduler.schedule
@@ -374,45 +385,26 @@ def test_the_heartbeat_stands_still_while_work_waits_that_no_step_takes(tiny_mod
     loop.shutdown()
 
 
-class Refusals(LoopObserver):
-    def __init__(self):
-        self.refused: list[str] = []
-
-    def on_refused(self, reason: str) -> None:
-        self.refused.append(reason)
-
-
 def test_a_refusal_is_counted_before_its_client_hears_of_it(tiny_model_dir):
     """A refusal goes ahead of the outputs queued before it (the first-output lane), and its metric with it: a
     client that got 'overloaded' and reads the metrics finds itself counted (the server test does just that).
     The output thread is held in a's first send while a's next tokens queue; then b is refused."""
-    observer = Refusals()
+    observer = Reported()
     loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))), observer=observer).start()
     gate, sent = threading.Event(), []
-    held = Recorder()
-
-    def emit(out) -> None:
-        if not held.tokens:
-            gate.wait(30)
-        held.emit(out)
-        sent.append(("a", len(held.tokens)))
-
-    loop.submit(Submission("a", GenerationRequest(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True),
-                                                  stream=True), emit, held.fail))
+    held = submit_logged(loop, "a", sent, gate)
     deadline = time.monotonic() + 30
-    while not (seqs := list(loop.engine.requests.values())) or len(seqs[0].output_token_ids) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    a = engine_sequence(loop, "a", 3, deadline)
     refused = Recorder()
 
     def fail(err: Exception) -> None:
         sent.append(("b refused", list(observer.refused)))
         refused.fail(err)
 
-    n = len(seqs[0].output_token_ids)
+    n = len(a.output_token_ids)
     loop.submit(Submission("b", GenerationRequest(PROMPT, SamplingParams(max_tokens=10**7), stream=True),
                            refused.emit, fail))
-    while len(seqs[0].output_token_ids) < n + 2:  # the loop has gone round since: b's refusal is queued
+    while len(a.output_token_ids) < n + 2:  # the loop has gone round since: b's refusal is queued
         assert time.monotonic() < deadline
         time.sleep(0.001)
     gate.set()
