@@ -14,8 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m client", description=__doc__)
     p.add_argument("prompt")
     p.add_argument("--url", default="localhost:8001", help="gRPC host:port (default %(default)s)")
-    p.add_argument("--model", default="llm_bls", help="llm_bls | ensemble (default %(default)s: it stops generating "
-                   "when the client goes away; the ensemble does not see that in Triton 2.51)")
+    p.add_argument("--model", default="llm", help="llm | llm_bls | ensemble (default %(default)s: text in one hop; "
+                   "llm and llm_bls stop generating when the client goes away, the ensemble does not in Triton 2.51)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float)

@@ -1,4 +1,5 @@
-"""Streaming gRPC client for the `ensemble` / `llm_bls` models (tensorrtllm_backend's I/O names).
+"""Streaming gRPC client for the text front doors: `llm` (text in, text out in one hop; the default),
+`ensemble` and `llm_bls` (tensorrtllm_backend's I/O names).
 
 Cancelling sends TensorRT-LLM's `stop` (same request id), which works through the ensemble too.
 """
@@ -17,7 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from backend.serving.protocol import ENSEMBLE, inputs_of, outputs_of
 
-# The ensemble's inputs and outputs; llm_bls has the same (backend/serving/protocol.py).
+# The ensemble's inputs and outputs; llm_bls has the same, and the llm takes and gives them all too
+# (backend/serving/protocol.py).
 INPUT_TYPES = {t.name: t.client_dtype for t in inputs_of(ENSEMBLE)}
 NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}
 OUTPUTS = tuple(t.name for t in outputs_of(ENSEMBLE))
@@ -80,7 +82,7 @@ class LLMClient:
     no request id, so requests sharing a stream could not tell their errors apart). Use one client per
     concurrent request."""
 
-    def __init__(self, url: str = "localhost:8001", model: str = "llm_bls"):
+    def __init__(self, url: str = "localhost:8001", model: str = "llm"):
         self.model = model
         self._grpc = grpcclient.InferenceServerClient(url)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -2,7 +2,8 @@
 too, and optionally vLLM's OpenAI server, on one model and one workload.
 
 Systems, one at a time (each alone on the CPU):
-  ours    tritonserver on model_repository (--endpoint llm_bls, the default, or the ensemble), default settings
+  ours    tritonserver on model_repository (--endpoint llm, the default: text in one hop; llm_bls or the ensemble),
+          default settings
   static  tritonserver serving load_tests/static_hf: HF `generate` on batches of up to 8 formed from the
           requests that have arrived (load_tests/static_batcher.py); same client, same streaming path
   vllm    (--vllm) vLLM's OpenAI server from .venv-vllm (load_tests/vllm_env.sh), /v1/completions with
@@ -466,7 +467,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop new arrivals of a rate after this")
     p.add_argument("--request-timeout", type=float, default=300.0, help="longest wait for any one response")
     p.add_argument("--systems", default="ours,static", help="comma list from ours,static")
-    p.add_argument("--endpoint", default="llm_bls", choices=["llm_bls", "ensemble"], help="our model clients call")
+    p.add_argument("--endpoint", default="llm", choices=["llm", "llm_bls", "ensemble"],
+                   help="our model clients call")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU from .venv-vllm")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine run")
     p.add_argument("--cdf-rate", type=float,

@@ -7,8 +7,8 @@ Checks, in the order given, each printing its numbers (the CPU first):
   "overloaded" (and the refusal counter's increase), failed otherwise, or got no final response.
 - kill: streams in flight, then SIGKILL of the llm model's python stub; how the streams ended, and the seconds
   until /v2/health/ready stops answering 200, answers again, and a request is served.
-- storm (not in the default set; for --storm-minutes): rounds of 16 bad requests at once, then 24 llm_bls
-  streams of which half are abandoned after their first chunk; counts rounds, tritonserver restarts (the
+- storm (not in the default set; for --storm-minutes): rounds of 16 bad requests at once, then 24 streams
+  (the client's default front door, or --model) of which half are abandoned after their first chunk; counts rounds, tritonserver restarts (the
   python backend's `boost::interprocess::lock_exception` abort seen once in five such storms on a Zen 3) and
   requests that got no final response.
 
@@ -52,15 +52,15 @@ def in_threads(target: Callable[[int], None], n: int) -> list[threading.Thread]:
 
 # -- fairness -------------------------------------------------------------------------------------------------
 
-def ttfts(url: str, n: int, max_tokens: int) -> list[float]:
-    with LLMClient(url) as client:
+def ttfts(url: str, model: str, n: int, max_tokens: int) -> list[float]:
+    with LLMClient(url, model) as client:
         return [client.generate(f"Tenant b, question {i}: say something.", max_tokens=max_tokens,
                                 tenant="b", ignore_eos=True, stream=True).ttft for i in range(n)]
 
 
 def fairness(args: argparse.Namespace) -> None:
-    solo = ttfts(args.url, args.requests, args.max_tokens)
-    clients = [LLMClient(args.url) for _ in range(args.flood)]
+    solo = ttfts(args.url, args.model, args.requests, args.max_tokens)
+    clients = [LLMClient(args.url, args.model) for _ in range(args.flood)]
     flooding = threading.Event()
     flooding.set()
 
@@ -77,7 +77,7 @@ def fairness(args: argparse.Namespace) -> None:
         time.sleep(0.05)
     running, waiting = (metric(args.metrics_url, q) for q in queues)
     steps = [metric(args.metrics_url, f"llm_step_seconds_{s}") for s in ("sum", "count")]
-    flooded = ttfts(args.url, args.requests, args.max_tokens)
+    flooded = ttfts(args.url, args.model, args.requests, args.max_tokens)
     step_s = (metric(args.metrics_url, "llm_step_seconds_sum") - steps[0]) / \
         max(1.0, metric(args.metrics_url, "llm_step_seconds_count") - steps[1])
     flooding.clear()
@@ -104,7 +104,7 @@ def overload(args: argparse.Namespace) -> None:
     go = threading.Event()
 
     def one(i: int) -> None:
-        with LLMClient(args.url) as client:
+        with LLMClient(args.url, args.model) as client:
             go.wait()
             try:
                 client.generate(f"Burst request {i}.", max_tokens=32, ignore_eos=True, timeout=300)
@@ -152,7 +152,7 @@ def kill(args: argparse.Namespace) -> None:
     killed_at = 0.0
 
     def stream(i: int) -> None:
-        with LLMClient(args.url) as client:
+        with LLMClient(args.url, args.model) as client:
             try:
                 for _ in client.stream(f"Stream {i}: write at length.", max_tokens=400, ignore_eos=True,
                                        stream=True, timeout=120):
@@ -176,7 +176,7 @@ def kill(args: argparse.Namespace) -> None:
         time.sleep(0.1)
     served = None
     if back is not None:
-        with LLMClient(args.url) as client:
+        with LLMClient(args.url, args.model) as client:
             client.generate("After the fault.", max_tokens=8)
         served = time.monotonic() - killed_at
     for thread in threads:
@@ -198,7 +198,7 @@ def storm(args: argparse.Namespace) -> None:
     outcome: Counter[str] = Counter()
 
     def bad(i: int) -> None:
-        with LLMClient(args.url) as client:
+        with LLMClient(args.url, args.model) as client:
             try:
                 client.generate("Bad request.", **BAD[i % len(BAD)])
                 outcome["bad request served"] += 1
@@ -206,7 +206,7 @@ def storm(args: argparse.Namespace) -> None:
                 outcome["timeout" if isinstance(err, TimeoutError) else "bad request refused"] += 1
 
     def stream(i: int) -> None:
-        with LLMClient(args.url) as client:
+        with LLMClient(args.url, args.model) as client:
             try:
                 chunks = client.stream(f"Storm {i}: write at length.", max_tokens=200, ignore_eos=True,
                                        stream=True, timeout=60)
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checks", default="fairness,overload,kill", help=f"comma-separated, of {list(CHECKS)}")
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port")
+    p.add_argument("--model", default="llm", help="the front door every check calls: llm, llm_bls or ensemble")
     p.add_argument("--http-url", default="http://127.0.0.1:8000")
     p.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
     p.add_argument("--flood", type=int, default=48, help="fairness: tenant a's concurrent streams")

@@ -64,8 +64,8 @@ def token_range(text: str) -> tuple[int, int]:
 @events.init_command_line_parser.add_listener
 def _add_options(parser) -> None:
     group = parser.add_argument_group("LLM load test (load_tests/locustfile.py)")
-    group.add_argument("--model", default="llm_bls", env_var="LOCUST_MODEL",
-                       help="Triton model [LOCUST_MODEL]")
+    group.add_argument("--model", default="llm", env_var="LOCUST_MODEL",
+                       help="Triton model: llm (text in one hop), llm_bls or ensemble [LOCUST_MODEL]")
     group.add_argument("--prompt-set", default="chat", choices=list(PROMPT_SETS), env_var="LOCUST_PROMPT_SET",
                        help="[LOCUST_PROMPT_SET] see load_tests/prompts.py")
     group.add_argument("--prompt-seed", type=int, default=0, env_var="LOCUST_PROMPT_SEED",

@@ -30,7 +30,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.engine.errors import InvalidRequestError, QueueFullError
-from backend.serving.protocol import ENSEMBLE, INPUTS, LLM, LLM_BLS, TensorSpec, inputs_of
+from backend.serving.protocol import ENSEMBLE, INPUTS, LLM, LLM_BLS, TEXT_PROMPT, TensorSpec, inputs_of
 from backend.serving.request import MAX_CHARS, MAX_ENTRIES
 from backend.triton import glue
 
@@ -81,8 +81,9 @@ ODD_BUT_VALID = (
 )
 
 
-def _prompt(door: str) -> dict:
-    return {"input_ids": [1, 2, 3]} if door == LLM else {"text_input": "Hi"}
+def _prompt(door: str, under_test: str = "") -> dict:
+    """A valid prompt: ids for the llm, text for the others, and for the llm when its text prompt is under test."""
+    return {"input_ids": [1, 2, 3]} if door == LLM and under_test not in TEXT_PROMPT else {"text_input": "Hi"}
 
 
 def _array(datatype: str, value) -> np.ndarray:
@@ -114,6 +115,7 @@ class Case:
     options: dict  # the request's inputs (the input under test replaced or removed)
     datatype: str | None = None  # sent in place of the declared one
     before_model: bool = False  # Triton refuses it before the model, in its own words
+    triton_words: str = ""  # ... words that name no input, where Triton has none to name
     json: bool = True  # HTTP generate can send it
 
     @property
@@ -123,17 +125,25 @@ class Case:
 
 def _bad_cases(door: str):
     """The bad requests for each input of `door`, by the input's row of the table."""
-    base = {**_prompt(door), "max_tokens": MAX_TOKENS}
-
     def case(spec: TensorSpec, kind: str, value, **kw) -> Case:
-        options = {k: v for k, v in base.items() if k != spec.name}
+        options = {k: v for k, v in {**_prompt(door, spec.name), "max_tokens": MAX_TOKENS}.items() if k != spec.name}
         if value is not None:
             options[spec.name] = value
         return Case(door, spec.name, kind, options, **kw)
 
-    yield Case(door, next(t.name for t in inputs_of(door) if not t.optional), "no-inputs", {},
-               before_model=door != ENSEMBLE)  # the ensemble declares text_input optional (see the table)
+    required = next(t for t in inputs_of(door) if not t.optional)
+    if door != LLM:  # the ensemble declares text_input optional and names it itself; llm_bls leaves it to Triton
+        yield Case(door, required.name, "no-inputs", {}, before_model=not required.declared_optional(door))
+    else:
+        # It declares both prompts optional, and Triton reads a batching model's batch size from the first
+        # input before the model: a request with no input at all is refused in Triton's words, naming none.
+        yield Case(door, required.name, "no-inputs", {}, before_model=True, triton_words="request has 0 inputs")
+        # its prompt is ids or text, not both; the chat template is for text
+        ids = {"input_ids": [1, 2, 3], "max_tokens": MAX_TOKENS}
+        yield Case(door, "text_input", "beside-input_ids", {**ids, "text_input": "Hi"})
+        yield Case(door, "apply_chat_template", "beside-input_ids", {**ids, "apply_chat_template": True})
     for spec in inputs_of(door):
+        base = {**_prompt(door, spec.name), "max_tokens": MAX_TOKENS}
         datatype = spec.client_dtype
         sample = base.get(spec.name, {"BYTES": "x", "BOOL": True}.get(datatype, 1))
         if not spec.optional:
@@ -240,7 +250,7 @@ def _names(message: str, case: Case) -> bool:
     """The message names the input: the project's errors as "<input>[ (note)]: what is allowed" (after the
     ensemble's "in ensemble 'ensemble', "), Triton's own as "... input 'name' ..."."""
     if case.before_model:
-        return f"'{case.name}'" in message
+        return (case.triton_words or f"'{case.name}'") in message
     label = re.search(r"(?:^|, )([\w ()]+?): .", message)
     return label is not None and re.search(rf"\b{case.name}\b", label.group(1)) is not None
 

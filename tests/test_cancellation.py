@@ -1,4 +1,5 @@
-"""Clients that go away stop costing engine time, on the default endpoint (llm_bls), over HTTP and gRPC."""
+"""Clients that go away stop costing engine time, on the default endpoint (llm, text in one hop) and on
+llm_bls, over HTTP and gRPC."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import http.client
 import json
 import time
 from urllib.parse import urlparse
+
+import pytest
 
 from client.client import LLMClient
 from tests.test_server import metrics, wait_until_idle
@@ -22,12 +25,16 @@ def _abandoned(server, leave) -> tuple[float, float]:
     return time.monotonic() - left_at, after["llm_generation_tokens_total"] - before
 
 
-def test_http_clients_that_disconnect_stop_their_generation(server) -> None:
+DOORS = ("llm", "llm_bls")
+
+
+@pytest.mark.parametrize("model", DOORS)
+def test_http_clients_that_disconnect_stop_their_generation(server, model) -> None:
     url = urlparse(server.url_http)
     conns = []
     for i in range(STREAMS):
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-        conn.request("POST", "/v2/models/llm_bls/generate_stream",
+        conn.request("POST", f"/v2/models/{model}/generate_stream",
                      json.dumps({"text_input": f"Essay {i}:", "max_tokens": MAX_TOKENS, "ignore_eos": True,
                                  "stream": True}))
         response = conn.getresponse()
@@ -43,8 +50,9 @@ def test_http_clients_that_disconnect_stop_their_generation(server) -> None:
     assert generated < STREAMS * MAX_TOKENS / 2
 
 
-def test_grpc_clients_that_cancel_their_stream_stop_their_generation(server) -> None:
-    clients = [LLMClient(server.url_grpc) for _ in range(STREAMS)]  # the default endpoint: llm_bls
+@pytest.mark.parametrize("model", DOORS)
+def test_grpc_clients_that_cancel_their_stream_stop_their_generation(server, model) -> None:
+    clients = [LLMClient(server.url_grpc, model) for _ in range(STREAMS)]
     streams = [c.stream(f"Essay {i}:", max_tokens=MAX_TOKENS, ignore_eos=True, stream=True)
                for i, c in enumerate(clients)]
     for stream in streams:

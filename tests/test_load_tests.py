@@ -47,7 +47,7 @@ def grpc_run(server, tmp_path_factory) -> Path:
 def test_locust_grpc_users_report_ttft_itl_e2e_without_failures(grpc_run):
     summary = read_summary(grpc_run)
     assert {r.kind for r in summary.rows} == {"TTFT", "ITL", "E2E", "TOK/S"}
-    assert {r.name for r in summary.rows} == {"grpc llm_bls"}
+    assert {r.name for r in summary.rows} == {"grpc llm"}
     e2e, ttft, itl = summary.row("E2E"), summary.row("TTFT"), summary.row("ITL")
     assert e2e.count >= 10 and summary.errors == 0
     assert ttft.count == e2e.count  # one TTFT per request
@@ -73,7 +73,7 @@ def test_poisson_shape_over_http_makes_about_rate_times_duration_requests(server
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_summary(tmp_path / "poisson_stats.csv")
     assert summary.errors == 0
-    arrivals = summary.row("E2E", "http llm_bls").count
+    arrivals = summary.row("E2E", "http llm").count
     expected = rate * RUN_SECONDS  # 48, Poisson sd ~7 (seeded: 39 arrive); a request or two cut at the end
     assert expected - 28 <= arrivals <= expected + 28, arrivals
 

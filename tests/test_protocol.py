@@ -13,7 +13,7 @@ import pytest
 from backend.engine.errors import InvalidRequestError
 from backend.engine.sampling import SamplingParams
 from backend.serving.protocol import (DTYPES, ENSEMBLE, INPUTS, LLM, LLM_BLS, MODELS, OUTPUTS, PREPROCESSING,
-                                      inputs_of, outputs_of)
+                                      TEXT_PROMPT, inputs_of, outputs_of)
 from backend.serving.request import (ENGINE_FIELD_INPUTS, MAX_CHARS, MAX_ENTRIES, GenerationRequest,
                                      input_error, parse_request, parse_text_prompt)
 
@@ -83,7 +83,7 @@ def test_the_table_is_well_formed():
         for t in rows:
             assert t.dtype in DTYPES and t.dims in ((1,), (-1,)) and t.models and set(t.models) <= set(MODELS)
             assert t.meaning and "\n" not in t.meaning
-            assert not t.parser_checked_in or (not t.optional and t.parser_checked_in < t.models), t.name
+            assert not t.parser_checked_in or (not t.optional and t.parser_checked_in <= t.models), t.name
     assert {t.client_dtype for t in INPUTS} <= {"BOOL", "INT32", "UINT64", "FP32", "BYTES"}
     assert next(t for t in INPUTS if t.name == "tenant").client_dtype == "BYTES"
 
@@ -129,7 +129,10 @@ def test_ensemble_passes_each_input_to_the_models_that_take_it():
         passed = {key for key, value in input_map.items() if value in ensemble}
         assert all(input_map[key] == key for key in passed), f"{model}: renames an ensemble input"
         if model in (LLM, PREPROCESSING):
-            assert passed == {t.name for t in inputs_of(ENSEMBLE) if model in t.models}, model
+            taken = {t.name for t in inputs_of(ENSEMBLE) if model in t.models}
+            if model == LLM:  # the llm takes text too, but through the ensemble preprocessing tokenizes it
+                taken -= set(TEXT_PROMPT)
+            assert passed == taken, model
         used |= set(input_map.values())
         produced |= set(output_map.values())
     assert ensemble <= used, f"ensemble inputs no step reads: {ensemble - used}"
@@ -157,8 +160,16 @@ class Recording(dict):
 
 
 class CharTokenizer:
+    """One id per character; the chat template wraps a user turn in ids 1 and 2."""
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, return_dict: bool) -> list[int]:
+        return [1, *self.encode(messages[0]["content"]), 2]
 
 
 EXAMPLE = {"TYPE_BOOL": True, "TYPE_INT32": 3, "TYPE_UINT64": 7, "TYPE_FP32": 0.5, "TYPE_STRING": "x"}
@@ -179,22 +190,40 @@ def _parse(**values) -> GenerationRequest:
     return parse_request({n: _array(rows[n], v) for n, v in values.items()}, CharTokenizer(), (2,))
 
 
-def test_every_input_is_parsed_or_consumed_before_the_llm():
-    inputs = Recording({t.name: _array(t, [1, 2] if t.name == "input_ids" else EXAMPLE[t.dtype])
-                        for t in inputs_of(LLM)})
-    req = parse_request(inputs, CharTokenizer(), (2,))
-    assert inputs.asked >= {t.name for t in inputs_of(LLM)}
-    assert req.stop_strings == ["x"] and req.tenant == "x" and req.params.seed == 7
-    # the rest are text: preprocessing and llm_bls turn them into input_ids
-    text_only = {t.name for t in INPUTS if LLM not in t.models}
-    assert text_only == {"text_input", "apply_chat_template"}
-    assert all(PREPROCESSING in t.models and LLM_BLS in t.models for t in INPUTS if t.name in text_only)
-    rows = {t.name: t for t in INPUTS}
-    text = Recording({name: _array(rows[name], EXAMPLE[rows[name].dtype]) for name in text_only})
-    parse_text_prompt(text)
-    assert text.asked >= text_only
+def test_every_input_is_parsed_by_the_llm():
+    """Every llm input reaches the parser (the prompt as ids, or as text), and the text front doors read the
+    text prompt with the same parser."""
+    rows = {t.name: t for t in inputs_of(LLM)}
+    for prompt in ("input_ids", "text_input"):
+        inputs = Recording({t.name: _array(t, [1, 2] if t.name == "input_ids" else EXAMPLE[t.dtype])
+                            for t in inputs_of(LLM) if t.name not in {"input_ids", "text_input"} - {prompt}})
+        if prompt == "input_ids":
+            del inputs["apply_chat_template"]  # text only
+        req = parse_request(inputs, CharTokenizer(), (2,))
+        assert inputs.asked >= set(rows) - {"apply_chat_template"}, prompt
+        assert req.stop_strings == ["x"] and req.tenant == "x" and req.params.seed == 7
+        assert req.as_text == (prompt == "text_input")
+    assert set(TEXT_PROMPT) == {t.name for t in INPUTS if PREPROCESSING in t.models} - {"stop"}
+    assert all(LLM_BLS in t.models and LLM in t.models for t in INPUTS if t.name in TEXT_PROMPT)
     for model in (PREPROCESSING, LLM_BLS):
         assert "parse_text_prompt(" in (MODEL_REPO / model / "1" / "model.py").read_text(), model
+
+
+def test_the_prompt_is_input_ids_or_text_input():
+    rows = {t.name: t for t in inputs_of(LLM)}
+    ids, text, chat = (_array(rows["input_ids"], [5, 6]), _array(rows["text_input"], "ab"),
+                       _array(rows["apply_chat_template"], True))
+    assert parse_request({"text_input": text}, CharTokenizer(), (2,)).prompt_token_ids == [97, 98]
+    templated = parse_request({"text_input": text, "apply_chat_template": chat}, CharTokenizer(), (2,))
+    assert templated.prompt_token_ids == [1, 97, 98, 2] and templated.as_text
+    cancel = {"text_input": _array(rows["text_input"], ""), "stop": _array(rows["stop"], True)}
+    assert parse_request(cancel, CharTokenizer(), (2,)).stop
+    for inputs, message in (({"input_ids": ids, "text_input": text}, "input_ids or text_input: give one of them"),
+                            ({}, r"input_ids or text_input: missing \(give one of them\)"),
+                            ({"input_ids": ids, "apply_chat_template": chat}, "apply_chat_template: applies to text"),
+                            ({"text_input": _array(rows["text_input"], "")}, "text_input: the text is empty")):
+        with pytest.raises(InvalidRequestError, match=f"^{message}"):
+            parse_request(inputs, CharTokenizer(), (2,))
 
 
 def test_absent_inputs_take_the_dataclass_defaults():
@@ -246,7 +275,7 @@ def test_a_stop_request_may_have_no_prompt():
 
 
 @pytest.mark.parametrize("values, field, message", [
-    ({"input_ids": None}, "input_ids", "missing"),
+    ({"input_ids": None}, "input_ids or text_input", "missing (give one of them)"),
     ({"input_ids": []}, "input_ids", "the prompt is empty"),
     ({"temperature": float("nan")}, "temperature", "must be finite"),
     ({"top_p": float("inf")}, "top_p", "must be finite"),

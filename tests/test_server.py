@@ -73,7 +73,10 @@ def wait_until_idle(server, timeout: float = 10.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
+TEXT_DOORS = ["llm", "ensemble", "llm_bls"]  # the llm takes text itself (the default), the others tokenize first
+
+
+@pytest.mark.parametrize("model", TEXT_DOORS)
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_streamed_equals_non_streamed_equals_engine(server, reference, model, prompt):
     with LLMClient(grpc_url(server), model) as client:
@@ -90,10 +93,11 @@ def test_non_streamed_echoes_the_prompt_when_asked(server, tokenizer, reference)
     assert result.text.startswith(prompt) and result.text.endswith(reference(prompt, 8))
 
 
-def test_http_generate_and_generate_stream(server, reference):
+@pytest.mark.parametrize("model", ["llm", "ensemble"])
+def test_http_generate_and_generate_stream(server, reference, model):
     prompt = PROMPTS[2]
     body = json.dumps({"text_input": prompt, "max_tokens": 16, "ignore_eos": True}).encode()
-    url = f"{server.url_http}/v2/models/ensemble"
+    url = f"{server.url_http}/v2/models/{model}"
     out = json.loads(urllib.request.urlopen(urllib.request.Request(f"{url}/generate", body), timeout=60).read())
     assert out["text_output"] == reference(prompt, 16)
     body = json.dumps({"text_input": prompt, "max_tokens": 16, "ignore_eos": True, "stream": True}).encode()
@@ -239,8 +243,9 @@ def test_cancel_through_the_ensemble_with_stop_frees_kv(server):
     wait_until_idle(server, timeout=2.0)
 
 
-def test_cancel_of_llm_bls_stream_frees_kv(server):
-    client = LLMClient(grpc_url(server), "llm_bls")
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_a_text_stream_cancelled_by_its_client_frees_kv(server, model):
+    client = LLMClient(grpc_url(server), model)
     chunks = _first_chunks_then(client, "Tell me a long story", 3)
     assert metrics(server)['llm_kv_blocks{state="used"}'] > 0
     client._grpc.stop_stream(cancel_requests=True)  # what a client disconnect does: no `stop` is sent
@@ -278,7 +283,7 @@ def onnx_server(tmp_path_factory, tiny_model_dir):
         yield srv
 
 
-@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
+@pytest.mark.parametrize("model", TEXT_DOORS)
 def test_onnxruntime_runner_serves_the_same_text(onnx_server, reference, model):
     with LLMClient(grpc_url(onnx_server), model) as client:
         for prompt in PROMPTS[:3]:

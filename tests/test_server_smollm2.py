@@ -24,7 +24,7 @@ def smol_server(tmp_path_factory, smollm2_dir):
         yield srv
 
 
-@pytest.mark.parametrize("model", ["ensemble", "llm_bls"])
+@pytest.mark.parametrize("model", ["llm", "ensemble", "llm_bls"])
 def test_smollm2_stream_equals_whole_equals_engine(smol_server, smollm2_dir, model):
     tokenizer = load_tokenizer(smollm2_dir)
     engine = LLMEngine(EngineConfig.create(model=str(smollm2_dir)))

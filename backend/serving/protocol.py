@@ -58,8 +58,11 @@ class TensorSpec:
         return self.optional or model in self.parser_checked_in
 
 
-_TEXT = frozenset({ENSEMBLE, LLM_BLS, PREPROCESSING})  # text in: tokenized before the llm
+_TEXT = frozenset({LLM, ENSEMBLE, LLM_BLS, PREPROCESSING})  # text in: the llm tokenizes it itself (one hop)
 _ALL = frozenset({LLM, ENSEMBLE, LLM_BLS})  # passed on to the llm as they are
+# The prompt as text: the llm takes it in place of input_ids (the default front door: one hop, no BLS); the
+# ensemble's preprocessing and llm_bls tokenize it and hand the llm input_ids.
+TEXT_PROMPT = ("text_input", "apply_chat_template")
 
 
 def _input(name: str, dtype: str, dims: tuple[int, ...], meaning: str, models: frozenset[str] = _ALL,
@@ -68,15 +71,16 @@ def _input(name: str, dtype: str, dims: tuple[int, ...], meaning: str, models: f
 
 
 INPUTS: tuple[TensorSpec, ...] = (
+    # The llm takes input_ids or text_input: it declares both optional and its parser asks for one.
     _input("input_ids", "TYPE_INT32", (-1,), "the prompt's token ids (preprocessing makes them)",
-           frozenset({LLM}), optional=False),
-    # The ensemble and preprocessing declare it optional: Triton checks only the number of inputs, so a
+           frozenset({LLM}), optional=False, parser_checked_in=frozenset({LLM})),
+    # The ensemble and preprocessing (and the llm, see input_ids) declare it optional: Triton checks only the number of inputs, so a
     # request with others but not this one passed, its step never ran and the ensemble answered with an empty
     # success; now preprocessing's parser names it. llm_bls keeps it required: Triton then refuses a request
     # with no input at all before the model (Triton 2.51 crashes on a model's error to one over a gRPC stream
     # with `triton_grpc_error`).
     _input("text_input", "TYPE_STRING", (1,), "the prompt, UTF-8; may be empty or left out in a `stop`",
-           _TEXT, optional=False, parser_checked_in=frozenset({ENSEMBLE, PREPROCESSING})),
+           _TEXT, optional=False, parser_checked_in=frozenset({LLM, ENSEMBLE, PREPROCESSING})),
     _input("apply_chat_template", "TYPE_BOOL", (1,), "wrap text_input as one user turn of the chat template",
            _TEXT),
     _input("max_tokens", "TYPE_INT32", (1,), "most tokens to generate"),
@@ -109,14 +113,15 @@ INPUTS: tuple[TensorSpec, ...] = (
 )
 
 _IDS = frozenset({LLM})
-_TEXT_OUT = frozenset({ENSEMBLE, LLM_BLS})
+_TEXT_OUT = frozenset({LLM, ENSEMBLE, LLM_BLS})
 _BOTH = _IDS | _TEXT_OUT
 
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output_ids", "TYPE_INT32", (-1,), _IDS, "the token ids not sent before"),
     TensorSpec("context_ids", "TYPE_INT32", (-1,), _IDS, "ids before output_ids, for exact text"),
     TensorSpec("is_final", "TYPE_BOOL", (1,), _IDS, "the request's last response"),
-    TensorSpec("text_output", "TYPE_STRING", (1,), _TEXT_OUT, "the text of output_ids, UTF-8"),
+    TensorSpec("text_output", "TYPE_STRING", (1,), _TEXT_OUT,
+               "the text of output_ids, UTF-8 (from the llm: when the request gave text_input)"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), _BOTH, "logprob of each new token (return_log_probs)"),
     TensorSpec("cum_log_probs", "TYPE_FP32", (1,), _BOTH, "sum of the logprobs so far (return_log_probs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (1,), _BOTH, "prompt tokens (return_num_input_tokens)"),

@@ -24,6 +24,7 @@ from backend.engine.errors import InvalidRequestError
 from backend.engine.kv_transfer import ExportedKV
 from backend.engine.sampling import SamplingParams
 from backend.serving.protocol import LLM, PREPROCESSING, TensorSpec, inputs_of
+from backend.serving.tokenizer import encode
 
 LLM_INPUTS = inputs_of(LLM)
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
@@ -53,6 +54,7 @@ class GenerationRequest:
     return_num_output_tokens: bool = False
     return_finish_reason: bool = False
     timeout_ms: int = 0  # end the request this long after its submission (finish reason "timeout"); 0: never
+    as_text: bool = False  # the prompt came as text_input: the responses carry text_output too
     kv: ExportedKV | None = None  # a remote prefill's blocks for this prompt (Dynamo decode worker)
 
 
@@ -100,17 +102,32 @@ def input_error(err: InvalidRequestError) -> InvalidRequestError:
 
 
 def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_ids: tuple[int, ...]) -> GenerationRequest:
-    """Build a GenerationRequest from the llm model's inputs (`input_ids` plus optional fields).
+    """Build a GenerationRequest from the llm model's inputs: the prompt plus optional fields.
 
-    Walks the llm's inputs in backend/serving/protocol.py. An input left out is left out of the
-    SamplingParams / GenerationRequest too, so their defaults apply. Inputs named like a SamplingParams or
-    GenerationRequest field set it; the others are turned into fields here."""
-    if inputs.get("input_ids") is None:
-        raise InvalidRequestError("input_ids", "missing")
-    given = {t.name: _read(t, inputs[t.name]) for t in LLM_INPUTS if inputs.get(t.name) is not None}
-    prompt = given.pop("input_ids")
-    if not prompt and not given.get("stop"):
-        raise InvalidRequestError("input_ids", "the prompt is empty")
+    The prompt is `input_ids`, or `text_input` (with `apply_chat_template`) tokenized here, in which case the
+    responses carry its text as well (`as_text`). Walks the llm's inputs in backend/serving/protocol.py. An
+    input left out is left out of the SamplingParams / GenerationRequest too, so their defaults apply. Inputs
+    named like a SamplingParams or GenerationRequest field set it; the others are turned into fields here."""
+    has_ids, has_text = inputs.get("input_ids") is not None, inputs.get("text_input") is not None
+    if has_ids and has_text:
+        raise InvalidRequestError("input_ids or text_input", "give one of them, not both")
+    given = {t.name: _read(t, inputs[t.name]) for t in LLM_INPUTS
+             if t.name != "text_input" and inputs.get(t.name) is not None}
+    chat = given.pop("apply_chat_template", False)
+    if has_text:
+        text = parse_text_prompt(inputs)
+        prompt = encode(tokenizer, text.text, chat) if text.text else []
+        given["as_text"] = True
+    elif chat:
+        raise InvalidRequestError("apply_chat_template", "applies to text_input only")
+    elif has_ids:
+        prompt = given.pop("input_ids")
+        if not prompt and not given.get("stop"):
+            raise InvalidRequestError("input_ids", "the prompt is empty")
+    elif given.get("stop"):
+        prompt = []  # a cancel needs no prompt
+    else:
+        raise InvalidRequestError("input_ids or text_input", "missing (give one of them)")
 
     end_id, ignore_eos = given.pop("end_id", None), given.pop("ignore_eos", False)
     stop_ids = [end_id] if end_id is not None else [] if ignore_eos else list(eos_token_ids)
@@ -142,7 +159,7 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
 
 @dataclass(frozen=True)
 class TextPrompt:
-    """What the text front doors (preprocessing, llm_bls) read before the llm: the prompt and two flags."""
+    """What the text front doors (llm, preprocessing, llm_bls) read: the prompt and two flags."""
 
     text: str
     apply_chat_template: bool = False

@@ -2,9 +2,10 @@
 
 Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS ids before them
 (`context_ids`) and `is_final`, which is all the stateless postprocessing needs for exact text
-(backend/serving/detokenize.py). Streaming sends every step's tokens; otherwise one response at the end,
-holding the prompt too when `exclude_input_in_output` is false. Optional
-outputs are present only when their `return_*` input asked for them.
+(backend/serving/detokenize.py). A request that came as text_input also gets `text_output`, decoded here
+by one incremental detokenizer per request (the output thread sends each request's outputs in order).
+Streaming sends every step's tokens; otherwise one response at the end, holding the prompt too when
+`exclude_input_in_output` is false. Optional outputs are present only when their `return_*` input asked for them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.serving.detokenize import context_before
+from transformers import PreTrainedTokenizerBase
+
+from backend.serving.detokenize import IncrementalDetokenizer, context_before
 from backend.engine.engine import RequestOutput
 from backend.serving.request import GenerationRequest
 
@@ -22,12 +25,22 @@ def _row(values, dtype) -> np.ndarray:
     return np.asarray(values, dtype=dtype).reshape(1, -1)
 
 
+def _text(text: str) -> np.ndarray:
+    return _row([text.encode("utf-8")], np.object_)
+
+
 @dataclass
 class ResponseBuilder:
     request: GenerationRequest
+    tokenizer: PreTrainedTokenizerBase | None = None  # for text_output (requests that came as text)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     sent: int = 0
+    detokenizer: IncrementalDetokenizer | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.request.as_text:
+            self.detokenizer = IncrementalDetokenizer(self.tokenizer)
 
     def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         """Tensors for the response to send now, or None when this output is held (not streaming)."""
@@ -46,6 +59,8 @@ class ResponseBuilder:
             "context_ids": _row(context, np.int32),
             "is_final": _row([out.finished], np.bool_),
         }
+        if self.detokenizer is not None:
+            tensors["text_output"] = _text(self.detokenizer.push(new, final=out.finished))
         if req.params.logprobs:
             tensors["output_log_probs"] = _row(new_logprobs, np.float32)
             tensors["cum_log_probs"] = _row([sum(self.logprobs)], np.float32)
@@ -54,10 +69,13 @@ class ResponseBuilder:
         if req.return_num_output_tokens:
             tensors["num_output_tokens"] = _row([out.num_output_tokens], np.int32)
         if req.return_finish_reason:
-            tensors["finish_reason"] = _row([(out.finish_reason or "").encode()], np.object_)
+            tensors["finish_reason"] = _text(out.finish_reason or "")
         return tensors
 
     def final_empty(self) -> dict[str, np.ndarray]:
         """The final response of a request that produced nothing (e.g. a `stop` request)."""
-        return {"output_ids": _row([], np.int32), "context_ids": _row([], np.int32),
-                "is_final": _row([True], np.bool_)}
+        tensors = {"output_ids": _row([], np.int32), "context_ids": _row([], np.int32),
+                   "is_final": _row([True], np.bool_)}
+        if self.detokenizer is not None:
+            tensors["text_output"] = _text("")
+        return tensors

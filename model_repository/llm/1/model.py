@@ -1,4 +1,5 @@
-"""Triton glue for the engine (decoupled). The logic lives in backend/serving (engine thread, request parsing)
+"""Triton glue for the engine (decoupled): token ids in and out, or text in and out in one hop (the clients'
+default front door; no BLS, no ensemble). The logic lives in backend/serving (engine thread, request parsing)
 and backend/triton (config, responses, metrics)."""
 
 import json
@@ -40,25 +41,24 @@ class TritonPythonModel:
             try:
                 inputs = read_inputs(pb_utils, request, self.input_names)
                 req = parse_request(inputs, self.tokenizer, self.engine.model_config.eos_token_ids)
+                builder = ResponseBuilder(req, self.tokenizer)
                 if req.stop:  # TensorRT-LLM's cancel: end the earlier request with this request id
                     self.loop.stop_request(request.request_id())
-                    sender.send(_tensors_response(ResponseBuilder(req).final_empty()), flags=FINAL)
+                    sender.send(_tensors_response(builder.final_empty()), flags=FINAL)
                     continue
-                self.loop.submit(self._submission(request.request_id(), req, sender))
+                self.loop.submit(self._submission(request.request_id(), builder, sender))
             except Exception as err:  # noqa: BLE001 - this request's error; the server serves on
                 sender.send(error_response(pb_utils, err), flags=FINAL)
         return None
 
     @staticmethod
-    def _submission(client_id: str, req, sender) -> Submission:
-        builder = ResponseBuilder(req)
-
+    def _submission(client_id: str, builder: ResponseBuilder, sender) -> Submission:
         def emit(out):
             tensors = builder.build(out)
             if tensors is not None:
                 sender.send(_tensors_response(tensors), flags=FINAL if out.finished else 0)
 
-        return Submission(client_id=client_id, request=req, emit=emit,
+        return Submission(client_id=client_id, request=builder.request, emit=emit,
                           fail=lambda err: sender.send(error_response(pb_utils, err), flags=FINAL),
                           is_cancelled=sender.is_cancelled)
 
