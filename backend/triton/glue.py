@@ -47,6 +47,22 @@ def read_inputs(pb_utils, request, names: list[str]) -> dict[str, np.ndarray]:
     return inputs
 
 
+def tensors_response(pb_utils, tensors: dict[str, np.ndarray], requested: frozenset[str]):
+    """A response holding the tensors its request asked for, and no others.
+
+    Triton 2.51's python backend drops a decoupled response's unrequested outputs itself, inside
+    `sender.send` with the GIL released, and so frees their numpy arrays without the GIL (fixed upstream in
+    python_backend #390, Triton 25.01): under load that corrupted the stub's heap while another thread ran
+    Python (the stub crashes of the cancel storms). So nothing is left for it to drop."""
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(name, value) for name, value in tensors.items() if name in requested])
+
+
+def requested_outputs(request) -> frozenset[str]:
+    """The outputs a request asked for (all of the model's when its client named none)."""
+    return frozenset(request.requested_output_names())
+
+
 def error_response(pb_utils, err: Exception):
     """One final error response: INVALID_ARG for a bad input (named as the client sent it), UNAVAILABLE
     when overloaded or the engine is down, INTERNAL for anything else (logged)."""

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             if restarts == 0:
                 print(f"\ntritonserver ready in {elapsed:.1f}s, log in {server.log_path}. Try:\n"
                       f"  python -m client \"Write a haiku about GPUs\" --stream    # gRPC on {server.url_grpc}\n"
-                      f"  curl -sN {server.url_http}/v2/models/llm_bls/generate_stream"
+                      f"  curl -sN {server.url_http}/v2/models/llm/generate_stream"
                       " -d '{\"text_input\": \"Write a haiku about GPUs\", \"max_tokens\": 64}'\n"
                       f"  curl -s {server.url_metrics} | head\nCtrl-C to stop.", flush=True)
             else:

@@ -2,10 +2,11 @@
 
 Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS ids before them
 (`context_ids`) and `is_final`, which is all the stateless postprocessing needs for exact text
-(backend/serving/detokenize.py). A request that came as text_input also gets `text_output`, decoded here
-by one incremental detokenizer per request (the output thread sends each request's outputs in order).
-Streaming sends every step's tokens; otherwise one response at the end, holding the prompt too when
-`exclude_input_in_output` is false. Optional outputs are present only when their `return_*` input asked for them.
+(backend/serving/detokenize.py). A request that came as text_input gets `text_output` in place of
+`context_ids`, decoded here by one incremental detokenizer per request (the output thread sends each
+request's outputs in order). Streaming sends every step's tokens; otherwise one response at the end, holding
+the prompt too when `exclude_input_in_output` is false. Optional outputs are present only when their
+`return_*` input asked for them.
 """
 
 from __future__ import annotations
@@ -54,12 +55,10 @@ class ResponseBuilder:
         self.sent = len(self.output_ids)
         if not req.stream and not req.exclude_input_in_output:
             new, context = req.prompt_token_ids + new, []
-        tensors = {
-            "output_ids": _row(new, np.int32),
-            "context_ids": _row(context, np.int32),
-            "is_final": _row([out.finished], np.bool_),
-        }
-        if self.detokenizer is not None:
+        tensors = {"output_ids": _row(new, np.int32), "is_final": _row([out.finished], np.bool_)}
+        if self.detokenizer is None:
+            tensors["context_ids"] = _row(context, np.int32)
+        else:
             tensors["text_output"] = _text(self.detokenizer.push(new, final=out.finished))
         if req.params.logprobs:
             tensors["output_log_probs"] = _row(new_logprobs, np.float32)
@@ -74,8 +73,9 @@ class ResponseBuilder:
 
     def final_empty(self) -> dict[str, np.ndarray]:
         """The final response of a request that produced nothing (e.g. a `stop` request)."""
-        tensors = {"output_ids": _row([], np.int32), "context_ids": _row([], np.int32),
-                   "is_final": _row([True], np.bool_)}
-        if self.detokenizer is not None:
+        tensors = {"output_ids": _row([], np.int32), "is_final": _row([True], np.bool_)}
+        if self.detokenizer is None:
+            tensors["context_ids"] = _row([], np.int32)
+        else:
             tensors["text_output"] = _text("")
         return tensors

@@ -11,7 +11,7 @@ from backend.serving.engine_thread import EngineLoop, Submission
 from backend.serving.request import parse_request
 from backend.serving.tokenizer import load_tokenizer
 from backend.serving.settings import engine_config_from_settings
-from backend.triton.glue import error_response, model_parameters, read_inputs
+from backend.triton.glue import error_response, model_parameters, read_inputs, requested_outputs, tensors_response
 from backend.triton.metrics import TritonMetrics
 from backend.triton.responses import ResponseBuilder
 
@@ -44,27 +44,27 @@ class TritonPythonModel:
                 builder = ResponseBuilder(req, self.tokenizer)
                 if req.stop:  # TensorRT-LLM's cancel: end the earlier request with this request id
                     self.loop.stop_request(request.request_id())
-                    sender.send(_tensors_response(builder.final_empty()), flags=FINAL)
+                    sender.send(tensors_response(pb_utils, builder.final_empty(), requested_outputs(request)),
+                                flags=FINAL)
                     continue
-                self.loop.submit(self._submission(request.request_id(), builder, sender))
+                self.loop.submit(self._submission(request, sender, builder))
             except Exception as err:  # noqa: BLE001 - this request's error; the server serves on
                 sender.send(error_response(pb_utils, err), flags=FINAL)
         return None
 
     @staticmethod
-    def _submission(client_id: str, builder: ResponseBuilder, sender) -> Submission:
+    def _submission(request, sender, builder: ResponseBuilder) -> Submission:
+        requested = requested_outputs(request)
+
         def emit(out):
             tensors = builder.build(out)
             if tensors is not None:
-                sender.send(_tensors_response(tensors), flags=FINAL if out.finished else 0)
+                sender.send(tensors_response(pb_utils, tensors, requested), flags=FINAL if out.finished else 0)
 
-        return Submission(client_id=client_id, request=builder.request, emit=emit,
+        return Submission(client_id=request.request_id(), request=builder.request, emit=emit,
                           fail=lambda err: sender.send(error_response(pb_utils, err), flags=FINAL),
                           is_cancelled=sender.is_cancelled)
 
     def finalize(self):
         self.loop.shutdown()
 
-
-def _tensors_response(tensors) -> "pb_utils.InferenceResponse":
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])

@@ -15,7 +15,7 @@ from backend.serving.detokenize import IncrementalDetokenizer
 from backend.serving.request import parse_text_prompt
 from backend.serving.tokenizer import encode
 from backend.triton.glue import (error_response, forwarded_error, model_parameters, model_tokenizer,
-                                 read_inputs)
+                                 read_inputs, requested_outputs, tensors_response)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
@@ -38,7 +38,7 @@ class TritonPythonModel:
         return None
 
     def _serve(self, request) -> None:
-        sender = request.get_response_sender()
+        sender, requested = request.get_response_sender(), requested_outputs(request)
         client_id = request.request_id()
         try:
             inputs = read_inputs(pb_utils, request, self.input_names)
@@ -48,14 +48,14 @@ class TritonPythonModel:
                     targets = list(self.active.get(client_id, ()))
                 for llm_id in targets:
                     self._stop(llm_id)
-                sender.send(_text_response("", {}), flags=FINAL)
+                sender.send(_text_response("", {}, requested), flags=FINAL)
                 return
             ids = np.asarray(encode(self.tokenizer, prompt.text, prompt.apply_chat_template), dtype=np.int32).reshape(1, -1)
-            self._generate(client_id, ids, inputs, sender)
+            self._generate(client_id, ids, inputs, sender, requested)
         except Exception as err:  # noqa: BLE001 - this request's error; the model serves on
             sender.send(error_response(pb_utils, err), flags=FINAL)
 
-    def _generate(self, client_id: str, ids: np.ndarray, inputs: dict, sender) -> None:
+    def _generate(self, client_id: str, ids: np.ndarray, inputs: dict, sender, requested: frozenset[str]) -> None:
         llm_id = f"bls-{uuid.uuid4().hex}"
         tensors = [pb_utils.Tensor("input_ids", ids)]
         tensors += [pb_utils.Tensor(n, v) for n, v in inputs.items() if n not in TEXT_INPUTS]
@@ -81,7 +81,7 @@ class TritonPythonModel:
                 final = bool(outs["is_final"].reshape(-1)[0])
                 text = detokenizer.push(outs["output_ids"].reshape(-1).tolist(), final=final)
                 if not cancelled:
-                    sender.send(_text_response(text, outs), flags=FINAL if final else 0)
+                    sender.send(_text_response(text, outs, requested), flags=FINAL if final else 0)
                 if final:
                     return
         finally:
@@ -105,7 +105,7 @@ class TritonPythonModel:
                 pass
 
 
-def _text_response(text: str, outs: dict) -> "pb_utils.InferenceResponse":
-    tensors = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
-    tensors += [pb_utils.Tensor(n, outs[n]) for n in PASSTHROUGH if n in outs]
-    return pb_utils.InferenceResponse(output_tensors=tensors)
+def _text_response(text: str, outs: dict, requested: frozenset[str]) -> "pb_utils.InferenceResponse":
+    tensors = {"text_output": np.array([[text.encode("utf-8")]], dtype=np.object_)}
+    tensors.update((n, outs[n]) for n in PASSTHROUGH if n in outs)
+    return tensors_response(pb_utils, tensors, requested)
