@@ -8,9 +8,9 @@ Checks, in the order given, each printing its numbers (the CPU first):
 - kill: streams in flight, then SIGKILL of the llm model's python stub; how the streams ended, and the seconds
   until /v2/health/ready stops answering 200, answers again, and a request is served.
 - storm (not in the default set; for --storm-minutes): rounds of 16 bad requests at once, then 24 streams
-  (the client's default front door, or --model) of which half are abandoned after their first chunk; counts rounds, tritonserver restarts (the
-  python backend's `boost::interprocess::lock_exception` abort seen once in five such storms on a Zen 3) and
-  requests that got no final response.
+  (to --model, the client's default llm) of which half are abandoned after their first chunk; counts rounds,
+  tritonserver restarts (the python backend's `boost::interprocess::lock_exception` abort seen once in five
+  such storms on a Zen 3, and its stub crashes) and requests that got no final response.
 
     .venv/bin/python -m load_tests.faults [--checks fairness,overload,kill] [--flood 48] [--burst 400]
     .venv/bin/python -m load_tests.faults --checks storm --storm-minutes 60

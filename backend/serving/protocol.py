@@ -74,11 +74,11 @@ INPUTS: tuple[TensorSpec, ...] = (
     # The llm takes input_ids or text_input: it declares both optional and its parser asks for one.
     _input("input_ids", "TYPE_INT32", (-1,), "the prompt's token ids (preprocessing makes them)",
            frozenset({LLM}), optional=False, parser_checked_in=frozenset({LLM})),
-    # The ensemble and preprocessing (and the llm, see input_ids) declare it optional: Triton checks only the number of inputs, so a
-    # request with others but not this one passed, its step never ran and the ensemble answered with an empty
-    # success; now preprocessing's parser names it. llm_bls keeps it required: Triton then refuses a request
-    # with no input at all before the model (Triton 2.51 crashes on a model's error to one over a gRPC stream
-    # with `triton_grpc_error`).
+    # The ensemble and preprocessing (and the llm, see input_ids) declare it optional: Triton checks only the
+    # number of inputs, so a request with others but not this one passed, its step never ran and the ensemble
+    # answered with an empty success; now preprocessing's parser names it. llm_bls keeps it required: Triton
+    # then refuses a request with no input at all before the model (Triton 2.51 crashes on a model's error to
+    # one over a gRPC stream with `triton_grpc_error`).
     _input("text_input", "TYPE_STRING", (1,), "the prompt, UTF-8; may be empty or left out in a `stop`",
            _TEXT, optional=False, parser_checked_in=frozenset({LLM, ENSEMBLE, PREPROCESSING})),
     _input("apply_chat_template", "TYPE_BOOL", (1,), "wrap text_input as one user turn of the chat template",

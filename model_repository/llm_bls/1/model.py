@@ -6,7 +6,9 @@ thread follows the whole stream), so the text equals the ensemble's.
 
 import json
 import threading
+import time
 import uuid
+from collections import deque
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -20,6 +22,7 @@ from backend.triton.glue import (error_response, forwarded_error, model_paramete
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
 PASSTHROUGH = ("output_log_probs", "cum_log_probs", "num_input_tokens", "num_output_tokens", "finish_reason")
+RETIRE_S = 10.0  # how long a finished BLS stream stays referenced here (see _retire)
 
 
 class TritonPythonModel:
@@ -31,6 +34,7 @@ class TritonPythonModel:
         self.active: dict[str, set[str]] = {}  # client request id -> its llm request ids
         self.lock = threading.Lock()
         self.stop_lock = threading.Lock()
+        self.retired: deque[tuple[float, tuple]] = deque()  # (when, (BLS request, its responses)), oldest first
 
     def execute(self, requests):
         for request in requests:
@@ -65,8 +69,9 @@ class TritonPythonModel:
             self.active.setdefault(client_id, set()).add(llm_id)
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         cancelled = False
+        responses = request.exec(decoupled=True)
         try:
-            for response in request.exec(decoupled=True):
+            for response in responses:
                 if response.has_error():
                     if not cancelled:
                         error = forwarded_error(pb_utils, response.error())
@@ -85,6 +90,7 @@ class TritonPythonModel:
                 if final:
                     return
         finally:
+            self._retire(request, responses)
             with self.lock:
                 self.active[client_id].discard(llm_id)
                 if not self.active[client_id]:
@@ -101,8 +107,22 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor("input_ids", np.zeros((1, 0), np.int32)),
                     pb_utils.Tensor("stop", np.array([[True]]))])
         with self.stop_lock:
-            for _ in stop.exec(decoupled=True):
+            responses = stop.exec(decoupled=True)
+            for _ in responses:
                 pass
+        self._retire(stop, responses)
+
+    def _retire(self, request, responses) -> None:
+        """Drop a finished BLS stream here, later. Triton 2.51's stub holds each stream too, until a thread of
+        its own that runs without the GIL erases it; when that comes after Python's last reference, the stream's
+        tensors are freed there, numpy arrays without the GIL, which corrupts the heap (python_backend #390,
+        fixed in Triton 25.01; the likely cause of the llm_bls stub crashes in the cancel storms). Held RETIRE_S
+        seconds, Python's reference is the last one, and Python frees them."""
+        now = time.monotonic()
+        with self.lock:
+            self.retired.append((now, (request, responses)))
+            while now - self.retired[0][0] > RETIRE_S:
+                self.retired.popleft()
 
 
 def _text_response(text: str, outs: dict, requested: frozenset[str]) -> "pb_utils.InferenceResponse":
