@@ -227,7 +227,11 @@ def storm(args: argparse.Namespace) -> None:
         rounds += 1
         if not ready(args.http_url) or server_pid(port) != pid:
             restarts += 1
+            down_at = time.monotonic()
             while not ready(args.http_url):
+                if time.monotonic() - down_at > args.recovery_timeout:
+                    raise SystemExit(f"storm: the server is not ready again after {args.recovery_timeout:g} s "
+                                     f"(round {rounds}); is it supervised (`make serve`)?")
                 time.sleep(0.5)
             pid = server_pid(port)
         if time.monotonic() - shown >= 60:  # progress, once a minute
