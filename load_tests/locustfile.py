@@ -1,9 +1,12 @@
 """Locust load test of the Triton LLM server: streamed generations over gRPC (one stream per request,
 through client.LLMClient) or HTTP (Triton's SSE `generate_stream`).
 
-    locust -f load_tests/locustfile.py --headless -H 127.0.0.1:8001 -u 32 -r 32 -t 60s
+    locust -f load_tests/locustfile.py --headless -H 127.0.0.1:8001 -u 32 -r 32 -t 60s --stop-timeout 60
     LOAD_PROTOCOL=http locust -f load_tests/locustfile.py --headless -H http://127.0.0.1:8000 -u 8 -t 60s
     LOAD_SHAPE=poisson locust -f load_tests/locustfile.py --headless -H 127.0.0.1:8001 -u 8 --rate 2 -t 60s
+
+--stop-timeout lets users finish the request in flight at the end; a gRPC user killed inside its stream has
+hung a run at "Shape test stopping" (seen twice in ~10 test runs).
 
 $LOAD_PROTOCOL picks the user classes locust sees: grpc (default, GrpcStreamUser), http (HttpStreamUser) or
 grpc,http (both, by equal weight; they share -H, so only for a host that answers both, e.g. a proxy).

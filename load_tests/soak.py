@@ -86,6 +86,7 @@ def progress_line(elapsed_s: float, args: argparse.Namespace, memory: MemorySamp
 def run_locust(url: str, args: argparse.Namespace, memory: MemorySampler) -> int:
     cmd = [str(Path(sys.executable).parent / "locust"), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
            "-H", url, "-u", str(args.users), "-r", str(args.users), "-t", f"{args.minutes * 60:.0f}s",
+           "--stop-timeout", "60",  # users finish the request in flight (load_tests/locustfile.py)
            "--prompt-set", args.prompt_set, "--max-tokens", args.max_tokens,
            "--csv", str(args.out / "soak"), "--html", str(args.out / "soak.html")]
     with open(args.out / "locust.log", "wb") as log:

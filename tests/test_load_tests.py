@@ -28,8 +28,11 @@ RUN_SECONDS = 8
 
 def run_locust(csv_prefix: Path, host: str, protocol: str, shape: str,
                *options: str) -> subprocess.CompletedProcess:
+    # --stop-timeout: at the end, users finish the request in flight instead of being killed inside a gRPC
+    # stream; killed there, a run hung at "Shape test stopping" until the subprocess timeout (2 CI rehearsals
+    # in ~10, 2026-11-23)
     cmd = [str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "--only-summary", "-H", host,
-           "-t", f"{RUN_SECONDS}s", "--csv", str(csv_prefix), "--max-tokens", "4-12",
+           "-t", f"{RUN_SECONDS}s", "--stop-timeout", "30", "--csv", str(csv_prefix), "--max-tokens", "4-12",
            "--prompt-set", "synthetic", *options]
     return subprocess.run(cmd, env={**os.environ, "LOAD_SHAPE": shape, "LOAD_PROTOCOL": protocol},
                           capture_output=True, text=True, timeout=RUN_SECONDS + 60)
