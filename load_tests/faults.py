@@ -58,6 +58,16 @@ def ttfts(url: str, model: str, n: int, max_tokens: int) -> list[float]:
                                 tenant="b", ignore_eos=True, stream=True).ttft for i in range(n)]
 
 
+def end_streams(clients: list[LLMClient], threads: list[threading.Thread], timeout: float) -> None:
+    """Cancel each client's request in flight, wait for the threads that streamed them, close the clients."""
+    for client in clients:
+        client.cancel()
+    for thread in threads:
+        thread.join(timeout)
+    for client in clients:
+        client.close()
+
+
 def fairness(args: argparse.Namespace) -> None:
     solo = ttfts(args.url, args.model, args.requests, args.max_tokens)
     clients = [LLMClient(args.url, args.model) for _ in range(args.flood)]
@@ -81,12 +91,7 @@ def fairness(args: argparse.Namespace) -> None:
     step_s = (metric(args.metrics_url, "llm_step_seconds_sum") - steps[0]) / \
         max(1.0, metric(args.metrics_url, "llm_step_seconds_count") - steps[1])
     flooding.clear()
-    for client in clients:
-        client.cancel()
-    for thread in threads:
-        thread.join(120)
-    for client in clients:
-        client.close()
+    end_streams(clients, threads, 120)
 
     alone, busy = (np.percentile(x, [50, 99]) for x in (solo, flooded))
     print(f"fairness: tenant b's TTFT over {args.requests} requests alone: p50 {alone[0]:.3f} s, p99 {alone[1]:.3f} s")

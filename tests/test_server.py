@@ -19,6 +19,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.engine.sampling import SamplingParams
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient, build_inputs
+from load_tests.faults import end_streams
 from tests.conftest import LLM_TEST_SETTINGS, start_server
 
 PROMPTS = ["Hello there", "你好,世界。今天天气很好", "I ❤️ 🦙 and 👨‍👩‍👧", "def f(x):\n    return x * 2",
@@ -211,12 +212,7 @@ def test_overload_answers_overloaded_and_serves_the_rest(server):
                     extra.generate("Hi", max_tokens=8)
         assert metrics(server)['llm_requests_refused_total{reason="overloaded"}'] == refused + 3
     finally:  # a failure here must not leave the shared server full for the tests after it
-        for client in clients:
-            client.cancel()
-        for t in threads:
-            t.join(60)
-        for client in clients:
-            client.close()
+        end_streams(clients, threads, 60)
     assert len(finals) == len(clients) and set(finals) <= {"cancelled", "length"}, finals
     with LLMClient(grpc_url(server)) as client:
         assert client.generate("Hi", max_tokens=8, ignore_eos=True, return_num_output_tokens=True) \

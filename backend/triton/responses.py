@@ -55,11 +55,7 @@ class ResponseBuilder:
         self.sent = len(self.output_ids)
         if not req.stream and not req.exclude_input_in_output:
             new, context = req.prompt_token_ids + new, []
-        tensors = {"output_ids": _row(new, np.int32), "is_final": _row([out.finished], np.bool_)}
-        if self.detokenizer is None:
-            tensors["context_ids"] = _row(context, np.int32)
-        else:
-            tensors["text_output"] = _text(self.detokenizer.push(new, final=out.finished))
+        tensors = self._tokens(new, context, out.finished)
         if req.params.logprobs:
             tensors["output_log_probs"] = _row(new_logprobs, np.float32)
             tensors["cum_log_probs"] = _row([sum(self.logprobs)], np.float32)
@@ -73,9 +69,13 @@ class ResponseBuilder:
 
     def final_empty(self) -> dict[str, np.ndarray]:
         """The final response of a request that produced nothing (e.g. a `stop` request)."""
-        tensors = {"output_ids": _row([], np.int32), "is_final": _row([True], np.bool_)}
+        return self._tokens([], [], True)
+
+    def _tokens(self, new: list[int], context: list[int], final: bool) -> dict[str, np.ndarray]:
+        """The ids and `is_final`, then `context_ids` for the postprocessing model, or the text they add."""
+        tensors = {"output_ids": _row(new, np.int32), "is_final": _row([final], np.bool_)}
         if self.detokenizer is None:
-            tensors["context_ids"] = _row([], np.int32)
+            tensors["context_ids"] = _row(context, np.int32)
         else:
-            tensors["text_output"] = _text("")
+            tensors["text_output"] = _text(self.detokenizer.push(new, final=final))
         return tensors
