@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
+import torch
 
 from backend.serving.detokenize import decode_text
 from backend.engine import EngineConfig, LLMEngine
@@ -51,10 +53,19 @@ def submit(loop: EngineLoop, client_id: str = "c", max_tokens: int = 8, **reques
     return rec
 
 
-@pytest.fixture
-def loop(tiny_model_dir):
+@pytest.fixture(params=[True, False], ids=["overlap", "wait"])
+def loop(tiny_model_dir, request):
+    """A loop that sends a step's outputs while the next step runs, and one that waits for them first."""
     config = EngineConfig.create(model=str(tiny_model_dir))
-    loop = EngineLoop(lambda: LLMEngine(config), load_tokenizer(tiny_model_dir)).start()
+    loop = EngineLoop(lambda: LLMEngine(config), load_tokenizer(tiny_model_dir), overlap_outputs=request.param).start()
+    yield loop
+    loop.shutdown()
+
+
+@pytest.fixture
+def overlapping_loop(tiny_model_dir):
+    """For the tests that hold the output thread in a send while the engine goes on stepping."""
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))), overlap_outputs=True).start()
     yield loop
     loop.shutdown()
 
@@ -253,9 +264,10 @@ def engine_sequence(loop: EngineLoop, client: str, min_tokens: int, deadline: fl
     return seqs[0]
 
 
-def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(loop):
+def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(overlapping_loop):
     """The output thread is held inside a's first send while a's next tokens queue up behind it; b's first token,
     queued after them, is sent before them. Each request's own outputs stay in order."""
+    loop = overlapping_loop
     gate, sent = threading.Event(), []
     a = submit_logged(loop, "a", sent, gate)
     deadline = time.monotonic() + 30
@@ -390,7 +402,8 @@ def test_a_refusal_is_counted_before_its_client_hears_of_it(tiny_model_dir):
     client that got 'overloaded' and reads the metrics finds itself counted (the server test does just that).
     The output thread is held in a's first send while a's next tokens queue; then b is refused."""
     observer = Reported()
-    loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))), observer=observer).start()
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))), observer=observer,
+                      overlap_outputs=True).start()
     gate, sent = threading.Event(), []
     held = submit_logged(loop, "a", sent, gate)
     deadline = time.monotonic() + 30
@@ -411,3 +424,55 @@ def test_a_refusal_is_counted_before_its_client_hears_of_it(tiny_model_dir):
     assert held.done.wait(30) and refused.done.wait(30)
     assert sent[:2] == [("a", 1), ("b refused", ["invalid"])], sent[:3]
     loop.shutdown()
+
+
+class ForwardLog:
+    """The real runner, logging "forward" in `log` as each forward starts."""
+
+    def __init__(self, inner: TorchRunner, log: list[str]):
+        self.inner, self.log = inner, log
+        self.model_config, self.num_blocks, self.block_size = inner.model_config, inner.num_blocks, inner.block_size
+
+    def forward(self, batch, between_layers=None):
+        self.log.append("forward")
+        return self.inner.forward(batch, between_layers)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "wait"])
+def test_a_waiting_loop_sends_a_steps_outputs_before_the_next_step(tiny_model_dir, overlap):
+    """Waiting (the default where the forward fills the CPUs), no forward starts while an output is being sent;
+    overlapping, forwards run during the (here slow) sends."""
+    config = EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)
+    log: list[str] = []
+    runner = ForwardLog(TorchRunner(config.model, config.dtype, 256, config.cache.block_size), log)
+    loop = EngineLoop(lambda: LLMEngine(config, runner=runner), overlap_outputs=overlap).start()
+    recs = [Recorder() for _ in range(3)]
+    for i, rec in enumerate(recs):
+        def emit(out, rec=rec) -> None:
+            log.append("send")
+            time.sleep(0.01)
+            rec.emit(out)
+            log.append("sent")
+
+        loop.submit(Submission(f"c{i}", GenerationRequest(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True),
+                                                          stream=True), emit, rec.fail))
+    assert all(rec.done.wait(30) and rec.tokens and rec.ends == 1 for rec in recs)
+    loop.shutdown()
+    in_flight, forwards_during_a_send = 0, 0
+    for event in log:
+        in_flight += {"send": 1, "sent": -1}.get(event, 0)
+        forwards_during_a_send += event == "forward" and in_flight > 0
+    assert (forwards_during_a_send > 0) == overlap, log
+
+
+def test_the_loop_waits_for_its_outputs_by_default_only_where_the_forward_fills_the_cpus(tiny_model_dir):
+    threads = torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        for n in {1, cpus}:
+            torch.set_num_threads(n)
+            loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))).start()
+            assert loop.engine.fills_the_cpus == (n >= cpus) and loop.overlap_outputs == (n < cpus)
+            loop.shutdown()
+    finally:
+        torch.set_num_threads(threads)

@@ -7,11 +7,13 @@ engine_thread.py) hand requests to the thread that calls `step()`. Every state c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from collections.abc import Sequence as PromptIds
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from backend.engine.batch import build_model_input
 from backend.engine.config import EngineConfig
@@ -149,6 +151,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._pending)
+
+    @property
+    def fills_the_cpus(self) -> bool:
+        """Whether a step's forward runs on every CPU this process may use (a CPU runtime with a thread per CPU):
+        then any other work of the process stretches the step (backend/serving/engine_thread.py)."""
+        return self.config.device == "cpu" and torch.get_num_threads() >= len(os.sched_getaffinity(0))
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -7,9 +7,17 @@ died, shutdown). If the loop dies, it fails everything in flight and `alive` tur
 
 `emit`, `fail` and the observer's hooks run on a second thread, the output thread, in the order the
 loop queued them, but that a request's first output goes ahead of what is queued (`_queue`). A Triton
-response send is a synchronous round trip to the server process (and each metric update another): on the
-engine thread they held up the next step, and with it both OpenMP threads, for about 5 % of a busy loop's
-time. The output thread waits for them while the next step runs.
+response send is a synchronous round trip to the server process (and each metric update another), ~0.4 ms
+of which the output thread spends ~0.15 ms on a CPU. Where the engine leaves a CPU free, the output thread
+sends a step's outputs while the next step runs. Where the forward's threads take every CPU
+(`LLMEngine.fills_the_cpus`), the loop waits for the output thread to finish a step's outputs before the
+next step, and polls the clients' cancellations meanwhile: measured on 2 CPUs with 2 OpenMP threads
+(SmolLM2-135M, 40 streams), sending beside a step stretched a 40-sequence decode step from 112 to 130-140 ms,
+since every wake-up of the output thread, the server and the stub's IPC thread lands on a CPU an OpenMP thread
+needs; waiting costs ~17 ms a step instead (README, Benchmarks: 2-5 % more tokens per second served). With
+one OpenMP thread on the same 2 CPUs, sending beside the step served ~2 % more than waiting.
+The sends are not spread over several threads: with four output threads sending a burst's responses, Triton
+2.51's python backend aborted the server (std::bad_alloc) within two seconds.
 It also reports the loop's heartbeat about once a second (`LoopObserver.on_heartbeat`): the time the loop
 last went round idle or after a step that did work. It stands still while a step runs, and while the loop goes
 round with work that no step takes (a scheduler that admits nothing), and turns -1 once the loop has died, so
@@ -89,8 +97,11 @@ class LoopObserver:
 
 class EngineLoop:
     def __init__(self, make_engine: Callable[[], LLMEngine], tokenizer=None,
-                 observer: LoopObserver | None = None):
+                 observer: LoopObserver | None = None, overlap_outputs: bool | None = None):
+        """`overlap_outputs`: send a step's outputs while the next step runs; None: unless the engine fills the
+        CPUs (the module docstring)."""
         self._make_engine = make_engine
+        self.overlap_outputs = overlap_outputs
         self.engine: LLMEngine | None = None  # built by the loop thread
         self.tokenizer = tokenizer  # needed for stop strings
         self.observer = observer or LoopObserver()
@@ -155,6 +166,8 @@ class EngineLoop:
             return
         finally:
             self._built.set()
+        if self.overlap_outputs is None:
+            self.overlap_outputs = not self.engine.fills_the_cpus
         busy = False
         progressed = True
         try:
@@ -162,7 +175,6 @@ class EngineLoop:
                 if progressed:
                     self.last_round = time.time()
                 self._drain_inbox(block=not self.engine.has_unfinished())
-                self._poll_cancellations()
                 if busy and not self.engine.has_unfinished():  # an abort frees blocks without a step
                     busy = False
                     self._queue(functools.partial(self.observer.on_idle, self.engine.stats()))
@@ -173,6 +185,10 @@ class EngineLoop:
                     outputs = self.engine.step(self._between_layers)
                     for out in outputs:
                         self._dispatch(out)
+                    sent = None if self.overlap_outputs else self._marker()
+                    self._poll_cancellations()  # round trips too: while the output thread sends
+                    if sent is not None:
+                        sent.wait()
                     if events := self.engine.kv.take_events():
                         self._queue(functools.partial(self.observer.on_kv_events, events))
                     stats = self.engine.stats()
@@ -290,6 +306,12 @@ class EngineLoop:
         metrics a request's output implies (a refusal, its TTFT, its token counts) take that output's lane, queued
         before it: a client that has its answer finds the metrics counting it."""
         self._outbox.put((lane, next(self._order), task))
+
+    def _marker(self) -> threading.Event:
+        """An event the output thread sets once it has run everything queued before it."""
+        done = threading.Event()
+        self._queue(done.set, LAST)
+        return done
 
     def _emit(self, sub: Submission, out: RequestOutput) -> None:
         try:

@@ -30,7 +30,8 @@ class TritonPythonModel:
         self.engine = self.loop.engine
         pb_utils.Logger.log_info(f"llm: {config.runtime} engine on {config.model}, "
                                  f"{self.engine.kv.num_blocks} KV blocks of {config.cache.block_size}, "
-                                 f"max_model_len {self.engine.max_model_len}")
+                                 f"max_model_len {self.engine.max_model_len}; outputs sent "
+                                 f"{'beside the next step' if self.loop.overlap_outputs else 'between steps'}")
 
     def is_ready(self) -> bool:  # called by python backends that support it (not 2.51)
         return self.loop.alive
