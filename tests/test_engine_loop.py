@@ -62,14 +62,6 @@ def loop(tiny_model_dir, request):
     loop.shutdown()
 
 
-@pytest.fixture
-def overlapping_loop(tiny_model_dir):
-    """For the tests that hold the output thread in a send while the engine goes on stepping."""
-    loop = EngineLoop(lambda: LLMEngine(EngineConfig.create(model=str(tiny_model_dir))), overlap_outputs=True).start()
-    yield loop
-    loop.shutdown()
-
-
 def test_requests_stream_in_order_and_end_once(loop, tiny_model_dir):
     expected = LLMEngine(EngineConfig.create(model=str(tiny_model_dir))).generate(
         [PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
@@ -264,10 +256,10 @@ def engine_sequence(loop: EngineLoop, client: str, min_tokens: int, deadline: fl
     return seqs[0]
 
 
-def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(overlapping_loop):
+@pytest.mark.parametrize("loop", [True], ids=["overlap"], indirect=True)  # the engine steps on beside the held send
+def test_a_first_output_goes_ahead_of_the_outputs_queued_before_it(loop):
     """The output thread is held inside a's first send while a's next tokens queue up behind it; b's first token,
     queued after them, is sent before them. Each request's own outputs stay in order."""
-    loop = overlapping_loop
     gate, sent = threading.Event(), []
     a = submit_logged(loop, "a", sent, gate)
     deadline = time.monotonic() + 30
