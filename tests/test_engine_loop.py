@@ -418,6 +418,47 @@ def test_a_refusal_is_counted_before_its_client_hears_of_it(tiny_model_dir):
     loop.shutdown()
 
 
+class Threads(LoopObserver):
+    """The thread each of the observer's hooks was called on, by hook."""
+
+    def __init__(self):
+        self.seen: dict[str, set[str]] = {}
+
+    def _saw(self, hook: str) -> None:
+        self.seen.setdefault(hook, set()).add(threading.current_thread().name)
+
+    def on_step(self, stats, step_seconds): self._saw("on_step")
+    def on_refused(self, reason): self._saw("on_refused")
+    def on_idle(self, stats): self._saw("on_idle")
+    def on_first_token(self, seconds): self._saw("on_first_token")
+    def on_token_interval(self, seconds): self._saw("on_token_interval")
+    def on_finished(self, num_prompt_tokens, num_output_tokens): self._saw("on_finished")
+    def on_kv_events(self, events): self._saw("on_kv_events")
+    def on_heartbeat(self, last_round): self._saw("on_heartbeat")
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "wait"])
+def test_every_observer_hook_runs_on_the_output_thread(tiny_model_dir, overlap):
+    """Never two hooks at once: Triton's custom metrics crash the server when two threads update one
+    (backend/triton/metrics.py). The first heartbeat, sent while start() waits, is among them."""
+    config = EngineConfig.create(model=str(tiny_model_dir), enable_kv_events=True)
+    observer = Threads()
+    loop = EngineLoop(lambda: LLMEngine(config), observer=observer, overlap_outputs=overlap).start()
+    assert observer.seen == {"on_heartbeat": {"engine-output"}}
+    recs = [submit(loop, f"c{i}", max_tokens=6) for i in range(3)]
+    refused = Recorder()
+    loop.submit(Submission("big", GenerationRequest(PROMPT, SamplingParams(max_tokens=10**7), stream=True),
+                           refused.emit, refused.fail))
+    assert all(rec.done.wait(30) for rec in recs) and refused.done.wait(30)
+    deadline = time.monotonic() + 5
+    while "on_idle" not in observer.seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loop.shutdown()
+    hooks = {"on_step", "on_refused", "on_idle", "on_first_token", "on_token_interval", "on_finished",
+             "on_kv_events", "on_heartbeat"}
+    assert observer.seen == {hook: {"engine-output"} for hook in hooks}
+
+
 class ForwardLog:
     """The real runner, logging "forward" in `log` as each forward starts."""
 

@@ -5,8 +5,9 @@ stop strings and hands each output to its submission's `emit` callback, in order
 ends exactly once: with a finished output through `emit`, or through `fail` (not admitted, engine
 died, shutdown). If the loop dies, it fails everything in flight and `alive` turns False.
 
-`emit`, `fail` and the observer's hooks run on a second thread, the output thread, in the order the
-loop queued them, but that a request's first output goes ahead of what is queued (`_queue`). A Triton
+`emit`, `fail` and every one of the observer's hooks run on a second thread, the output thread, in the order
+the loop queued them, but that a request's first output goes ahead of what is queued (`_queue`); an observer
+never sees two calls at once (Triton's custom metrics must not: backend/triton/metrics.py). A Triton
 response send is a synchronous round trip to the server process (and each metric update another), ~0.4 ms
 of which the output thread spends ~0.15 ms on a CPU. Where the engine leaves a CPU free, the output thread
 sends a step's outputs while the next step runs. Where the forward's threads take every CPU
@@ -16,8 +17,10 @@ next step, and polls the clients' cancellations meanwhile: measured on 2 CPUs wi
 since every wake-up of the output thread, the server and the stub's IPC thread lands on a CPU an OpenMP thread
 needs; waiting costs ~17 ms a step instead (README, Benchmarks: 2-5 % more tokens per second served). With
 one OpenMP thread on the same 2 CPUs, sending beside the step served ~2 % more than waiting.
-The sends are not spread over several threads: with four output threads sending a burst's responses, Triton
-2.51's python backend aborted the server (std::bad_alloc) within two seconds.
+The sends stay on one thread. Spread over four (each request's outputs on one of them, the metric updates
+under a lock), the sends and cancellation polls after a 40-sequence step took as long as on one (~16 ms): a
+send then took 0.68 ms instead of 0.24 (median; measured 2026-11-23, same machine), so the responses are
+delivered one at a time further on, in the server process, whose work and the client's share the 2 CPUs.
 It also reports the loop's heartbeat about once a second (`LoopObserver.on_heartbeat`): the time the loop
 last went round idle or after a step that did work. It stands still while a step runs, and while the loop goes
 round with work that no step takes (a scheduler that admits nothing), and turns -1 once the loop has died, so
@@ -126,7 +129,10 @@ class EngineLoop:
         self._built.wait()
         if self.engine is None:
             raise EngineDeadError(f"building the engine failed: {self.error!r}") from self.error
-        self.observer.on_heartbeat(time.time())  # the first, before the server reports ready
+        # the first heartbeat, before the server reports ready, from the thread that sends all the others
+        self.last_round = time.time()
+        self._queue(functools.partial(self.observer.on_heartbeat, self.last_round), FIRST)
+        self._marker().wait()
         return self
 
     @property

@@ -2,6 +2,12 @@
 
 The MetricFamily objects are kept for the model's lifetime: once a family is garbage collected,
 `Metric.set()` raises (seen in Triton 2.51), which would kill the engine loop.
+
+The metrics are updated from one thread only, the engine loop's output thread (every `LoopObserver` hook
+runs there). python_backend 24.10's `Metric` writes each update into shared memory it swaps in per call, with
+the GIL released and no lock: two threads updating one metric at once crashed tritonserver 2.51
+(std::bad_alloc, or SIGSEGV) on the first burst of 40 streams (measured 2026-11-23, with the loop's outputs
+spread over two threads).
 """
 
 from __future__ import annotations
