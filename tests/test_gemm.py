@@ -9,6 +9,10 @@ Tolerances on the last-token logits of every prompt (max |difference| per prompt
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 300, 42], [7] * 37, list(range(100, 160)), [1000 + 3 * i for i in range(129)]]
 BLOCK_SIZE = 16
 
@@ -50,7 +55,7 @@ def hf_reference(tiny_model_dir) -> dict[torch.dtype, torch.Tensor]:
 def test_each_tactic_forced_matches_hf_within_tolerance(tiny_model_dir, hf_reference, tactic, dtype):
     torch_dtype = getattr(torch, dtype)
     if tactic not in gemm.candidates(torch_dtype, torch.device("cpu")):
-        with pytest.raises(ValueError, match=f"gemm_backend: {tactic} does not run"):
+        with pytest.raises(ValueError, match=f"gemm_backend: {tactic} cannot run {dtype} on this cpu .*; candidates"):
             TorchRunner(tiny_model_dir, dtype, 64, BLOCK_SIZE, gemm_backend=tactic)
         return
     runner = TorchRunner(tiny_model_dir, dtype, 64, BLOCK_SIZE, gemm_backend=tactic)
@@ -79,3 +84,25 @@ def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monke
 def test_unknown_backend_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="gemm_backend: expected one of"):
         TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="mkl")
+
+
+def test_a_tactic_this_cpu_cannot_run_is_no_candidate_and_refused_by_name(tiny_model_dir):
+    """oneDNN's bfloat16 path needs avx512bw/vl/dq (or avx_ne_convert); `ONEDNN_MAX_CPU_ISA=AVX2` takes them away
+    on any CPU, as an AVX2-only CPU (AMD Zen 3) lacks them. Run in a fresh process: oneDNN reads it at start."""
+    code = (
+        "import torch\n"
+        "from backend.engine.runners import gemm\n"
+        "from backend.engine.runners.torch_runner import TorchRunner\n"
+        "names = gemm.candidates(torch.bfloat16, torch.device('cpu'))\n"
+        "assert 'onednn' not in names and 'onednn_f32' in names, names\n"
+        f"try:\n    TorchRunner({str(tiny_model_dir)!r}, 'bfloat16', 64, 16, gemm_backend='onednn')\n"
+        "except ValueError as err:\n    print(err)\n"
+        "runner = TorchRunner(" + repr(str(tiny_model_dir)) + ", 'bfloat16', 64, 16, gemm_backend='auto')\n"
+        "print(sorted(set(runner.gemm_tactics.values())))\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refusal, chosen = proc.stdout.strip().splitlines()[-2:]
+    assert refusal.startswith("gemm_backend: onednn cannot run bfloat16 on this cpu (") and "avx512bw" in refusal
+    assert "candidates: ['aten', 'aten_f32', 'onednn_f32']" in refusal
+    assert "'onednn'" not in chosen, chosen

@@ -6,7 +6,12 @@ CPUs even where AVX-512 exists; oneDNN with a prepacked weight is faster there a
 with avx512_bf16 but no AMX, a native bfloat16 GEMM can be slower than a float32 one on the same weights.
 So at load, each candidate is timed on each of the model's Linear shapes at a few token counts, and the
 fastest per shape is kept. Choices are cached per CPU (model name and flags), torch version, thread count,
-dtype and shape in `.cache/gemm/` (`$LLM_KERNEL_CACHE/../gemm` when set), so the second start costs nothing.
+dtype, candidates and shape in `.cache/gemm/` (`$LLM_KERNEL_CACHE/../gemm` when set), so the second start
+costs nothing.
+
+A candidate is a tactic that runs on this CPU: each is probed once per process and dtype on a tiny weight
+(oneDNN's bfloat16 path needs avx512bw/vl/dq or avx_ne_convert: an AVX2-only CPU such as AMD Zen 3 lacks it,
+as does any CPU under `ONEDNN_MAX_CPU_ISA=AVX2`). Forcing one that does not run is refused by name at load.
 
 Tactics (each returns the model dtype; the `_f32` ones compute a float32 product and sum, then round to the
 model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
@@ -17,6 +22,7 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -69,11 +75,22 @@ TACTICS = {t.name: t for t in (Tactic("aten", _aten), Tactic("onednn", _onednn),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True))}
 
 
+@functools.cache
+def why_not(name: str, dtype: torch.dtype) -> str | None:
+    """None when tactic `name` runs `dtype` on this CPU, else why not (the error it raises on a tiny weight)."""
+    try:
+        TACTICS[name].prepare(torch.ones(8, 8, dtype=dtype), None)(torch.ones(2, 8, dtype=dtype))
+    except RuntimeError as err:  # a oneDNN path this CPU (or a oneDNN build without it) cannot run
+        return str(err).splitlines()[0]
+    return None
+
+
 def candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
+    """The tactics that run `dtype` here."""
     if device.type != "cpu":
         return ["aten"]
-    names = [t.name for t in TACTICS.values() if dtype != torch.float32 or not t.narrow_only]
-    return names if torch.backends.mkldnn.is_available() else [n for n in names if "onednn" not in n]
+    return [t.name for t in TACTICS.values()
+            if (dtype != torch.float32 or not t.narrow_only) and why_not(t.name, dtype) is None]
 
 
 @dataclass(frozen=True)
@@ -84,7 +101,7 @@ class Shape:
 
     @property
     def key(self) -> str:
-        """Its row of the cached table (after a dtype/threads prefix), e.g. `960x576/(16, 64, 256, 512)`."""
+        """Its row of the cached table (after a dtype/threads/candidates prefix), e.g. `960x576/(16, 64, 256, 512)`."""
         return f"{self.out_features}x{self.in_features}/{self.tokens}"
 
 
@@ -108,13 +125,7 @@ def _seconds_per_token(gemm: Gemm, shape: Shape, dtype: torch.dtype) -> float:
 def measure(shape: Shape, dtype: torch.dtype, names: list[str]) -> dict[str, float]:
     """Seconds per token (summed over the shape's token counts) of each tactic that runs here."""
     weight = torch.randn(shape.out_features, shape.in_features).to(dtype)
-    results = {}
-    for name in names:
-        try:
-            results[name] = _seconds_per_token(TACTICS[name].prepare(weight, None), shape, dtype)
-        except RuntimeError as err:  # e.g. a oneDNN build without this dtype
-            log.info("gemm: %s does not run %s here (%s)", name, dtype, err)
-    return results
+    return {name: _seconds_per_token(TACTICS[name].prepare(weight, None), shape, dtype) for name in names}
 
 
 def cache_file() -> Path:
@@ -130,14 +141,17 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     names = candidates(dtype, device)
     if backend != "auto":
         if backend not in names:
-            raise ValueError(f"gemm_backend: {backend} does not run {dtype} on {device} here (candidates: {names})")
+            why = why_not(backend, dtype) if device.type == "cpu" else "CPU only"
+            raise ValueError(f"gemm_backend: {backend} cannot run {str(dtype).removeprefix('torch.')} on this "
+                             f"{device.type} ({why}); candidates: {names}")
         return {s: backend for s in shapes}
     if len(names) == 1:
         return {s: names[0] for s in shapes}
     path = cache_file()
     with _lock:
         table = json.loads(path.read_text()) if path.is_file() else {}
-        prefix = f"{str(dtype).removeprefix('torch.')}/threads{torch.get_num_threads()}"
+        # the candidates are in the key: a row timed where others ran (another ONEDNN_MAX_CPU_ISA) is timed again
+        prefix = f"{str(dtype).removeprefix('torch.')}/threads{torch.get_num_threads()}/{'+'.join(names)}"
         missing = [s for s in shapes if f"{prefix}/{s.key}" not in table]
         if missing:
             log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
