@@ -48,4 +48,4 @@ RUN useradd --create-home --shell /usr/sbin/nologin llm && mkdir -p /models /opt
 USER llm
 
 EXPOSE 8000 8001 8002 8080
-CMD ["python3", "-m", "backend.triton.launcher", "--model-repository", "/models/repository"]
+CMD ["python3", "-m", "backend.triton.launcher", "--model-repository", "/models/repository", "--host", "0.0.0.0"]

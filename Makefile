@@ -26,9 +26,12 @@ test: model dynamo-venv
 test-slow: model
 	$(BIN)/python -m pytest -q -m slow
 
-# A real tritonserver (from the nvidia-pytriton wheel here; the image's own in Docker) on model_repository/.
+# A real tritonserver (from the nvidia-pytriton wheel here; the image's own in Docker) on model_repository/,
+# on 127.0.0.1 with the admin APIs behind $TRITON_ADMIN_KEY (docs/security.md). SERVE_ARGS="--host 0.0.0.0"
+# opens it to the network.
+SERVE_ARGS ?=
 serve: model
-	$(BIN)/python -m backend.triton.launcher --model-repository model_repository
+	$(BIN)/python -m backend.triton.launcher --model-repository model_repository $(SERVE_ARGS)
 
 # NVIDIA Dynamo in its own venv (.venv-dynamo, ~1 min): the frontend (OpenAI API on :8080, KV-aware router)
 # and WORKERS engine workers on this host, or PREFILL_WORKERS=1 DECODE_WORKERS=1 (disaggregated: the prompt's

@@ -42,6 +42,7 @@ def _interpolate(node):
     return node
 
 
+RAW_SERVICES = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]  # `${VAR:-default}` kept
 COMPOSE = _interpolate(yaml.safe_load((REPO / "docker-compose.yml").read_text()))
 SERVICES = COMPOSE["services"]
 
@@ -201,7 +202,7 @@ def test_locust_services():
     for service in (master, worker):
         assert "load" in service["profiles"]
         assert _option(service["command"], "-f") == "load_tests/locustfile.py"
-    assert "--master" in master["command"] and "8089:8089" in master["ports"]
+    assert "--master" in master["command"] and "127.0.0.1:8089:8089" in master["ports"]
     assert "--worker" in worker["command"] and _option(worker["command"], "--master-host") == "locust-master"
     assert int(worker["deploy"]["replicas"]) >= 1
 
@@ -250,6 +251,7 @@ def test_dockerfile_cmd_is_the_triton_command(monkeypatch, capsys):
     (cmd,) = [yaml.safe_load(args) for instr, args in DOCKERFILE if instr == "CMD"]
     args = _launcher_args(_module_args(cmd, "backend.triton.launcher"), monkeypatch, capsys)
     assert str(args.model_repository) == _option(_triton_command(), "--model-repository")
+    assert args.host == "0.0.0.0", "`docker run -p` reaches only a server on the container's every interface"
 
 
 def test_dockerfile_base_image_and_installs():
@@ -272,7 +274,7 @@ def test_dockerfile_base_image_and_installs():
 
 def test_dockerignore_keeps_local_state_out():
     patterns = set((REPO / ".dockerignore").read_text().split())
-    assert {".git", ".venv*", ".cache", "results", "**/__pycache__"} <= patterns
+    assert {".git", ".env", ".venv*", ".cache", "results", "**/__pycache__"} <= patterns  # .env: secrets
 
 
 DYNAMO_SERVICES = ("etcd", "nats", "dynamo-frontend", "dynamo-worker")
@@ -284,7 +286,7 @@ def test_dynamo_profile_wiring():
     env = {"ETCD_ENDPOINTS": "http://etcd:2379", "NATS_SERVER": "nats://nats:4222"}
     assert env.items() <= frontend["environment"].items() and env.items() <= worker["environment"].items()
     assert "--listen-client-urls" in SERVICES["etcd"]["command"] and "-js" in SERVICES["nats"]["command"]
-    assert "8080:8080" in frontend["ports"]
+    assert "127.0.0.1:8080:8080" in frontend["ports"]
     assert frontend["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
     # the frontend reads the tokenizer from the model folder the workers register: the same volume, same path
     assert _mount("dynamo-frontend") == _mount("dynamo-worker") == (_mount("prepare")[0], False)
@@ -328,3 +330,25 @@ def test_compose_publishes_only_the_serving_ports():
     published = {service: [int(p.split(":")[-1]) for p in spec.get("ports", [])] for service, spec in SERVICES.items()}
     assert {s: p for s, p in published.items() if p} == {
         "triton": [8000, 8001, 8002], "locust-master": [8089], "dynamo-frontend": [8080]}
+
+
+def test_compose_publishes_on_the_host_loopback_by_default():
+    specs = [spec for service in SERVICES.values() for spec in service.get("ports", [])]
+    assert specs and all(re.fullmatch(r"127\.0\.0\.1:(\d+):\1", spec) for spec in specs), specs
+    assert all(spec.startswith("${PUBLISH_HOST:-127.0.0.1}:") for service in RAW_SERVICES.values()
+               for spec in service.get("ports", [])), "PUBLISH_HOST opens every published port"
+
+
+def test_triton_listens_in_its_container_with_the_admin_apis_restricted(monkeypatch, capsys):
+    args = _launcher_args(_triton_command(), monkeypatch, capsys)
+    assert args.host == "0.0.0.0" and not args.open_admin_apis
+    key = RAW_SERVICES["triton"]["environment"]["TRITON_ADMIN_KEY"]
+    assert key == "${TRITON_ADMIN_KEY:-}", "the key comes from the shell"
+
+
+def test_no_secret_is_written_in_compose():
+    secret = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
+    for name, service in SERVICES.items():
+        env = service.get("environment", {})
+        assert isinstance(env, dict), f"{name}: environment as a mapping"
+        assert all(value in ("", None) for var, value in env.items() if secret.search(var)), (name, env)

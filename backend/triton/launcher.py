@@ -1,6 +1,11 @@
 """Run a real tritonserver on a model repository, from the pytriton wheel's files or the container's own.
 
     python -m backend.triton.launcher --model-repository model_repository [--http-port 8000 ...] [-- <server args>]
+
+By default it listens on 127.0.0.1 only (--host 0.0.0.0 opens it to the network) and restricts Triton's admin
+APIs (ADMIN_APIS) to clients that send the header `admin-key: $TRITON_ADMIN_KEY` (over gRPC the metadata
+`triton-grpc-protocol-admin-key`); with the variable unset, to no client (--open-admin-apis: to every client).
+See docs/security.md.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ from typing import IO
 from backend.triton.supervisor import STUB, Supervisor
 
 LOG = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
+ADMIN_KEY_ENV = "TRITON_ADMIN_KEY"
+ADMIN_HEADER = "admin-key"  # the HTTP header; gRPC metadata carries it under Triton's prefix:
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
+# Triton 2.51's API groups but health, metadata and inference (which stay open): shared-memory could map any
+# /dev/shm region (our stubs' too), logging and trace change the server's files and verbosity, model-config
+# and model-repository show paths and parameters, statistics every model's traffic.
+ADMIN_APIS = ("shared-memory", "model-config", "model-repository", "statistics", "trace", "logging")
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 MiB = 1024 * 1024
 # OpenMP workers sleep at barriers instead of spinning. Measured on 2 cores (a 40-request burst, SmolLM2):
@@ -129,6 +142,11 @@ def prepare_runtime(install: TritonInstall, workdir: Path) -> tuple[Path, Path, 
     return server_bin, workdir / "backends", env
 
 
+def admin_key_from_env() -> str:
+    """$TRITON_ADMIN_KEY, else a random key that is printed nowhere: the admin APIs are then closed to all."""
+    return os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(32)
+
+
 def free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
@@ -160,6 +178,10 @@ class TritonServer:
     # unseen by the engine, never refused as overloaded). Above max_num_seqs + max_waiting (64 + 256).
     bls_threads: int = 512
     exit_timeout_s: int = 10  # how long tritonserver waits for in-flight requests when stopping
+    host: str = LOOPBACK  # the IPv4 address HTTP, gRPC and metrics listen on; 0.0.0.0: every interface
+    # What ADMIN_APIS ask of a client in the ADMIN_HEADER; None: nothing (open to all). Kept out of repr:
+    # tritonserver's command line is the only place it goes.
+    admin_key: str | None = field(default_factory=admin_key_from_env, repr=False)
     shm_prefix: str = field(init=False)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log: IO[bytes] | None = field(default=None, init=False, repr=False)
@@ -177,16 +199,21 @@ class TritonServer:
         self.log_path = self.log_path or self.workdir / "tritonserver.log"
 
     @property
+    def _local_host(self) -> str:
+        """The address a client on this host reaches it at."""
+        return LOOPBACK if self.host == "0.0.0.0" else self.host
+
+    @property
     def url_http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self._local_host}:{self.http_port}"
 
     @property
     def url_grpc(self) -> str:  # host:port, as tritonclient.grpc takes it
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self._local_host}:{self.grpc_port}"
 
     @property
     def url_metrics(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+        return f"http://{self._local_host}:{self.metrics_port}/metrics"
 
     def start(self) -> None:
         assert self._proc is None and self.workdir and self.log_path, "already started"
@@ -194,9 +221,14 @@ class TritonServer:
         python_config = {"shm-region-prefix-name": self.shm_prefix,
                          "shm-default-byte-size": self.shm_default_bytes,
                          "shm-growth-byte-size": self.shm_growth_bytes, "thread-pool-size": self.bls_threads}
+        restriction = f"{','.join(ADMIN_APIS)}:{ADMIN_HEADER}={self.admin_key}"
+        restricted = [] if self.admin_key is None else [f"--http-restricted-api={restriction}",
+                                                        f"--grpc-restricted-protocol={restriction}"]
         cmd = [str(server_bin), f"--model-repository={Path(self.model_repository).resolve()}",
-               f"--backend-directory={backend_dir}", f"--http-port={self.http_port}",
-               f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+               f"--backend-directory={backend_dir}", *restricted,
+               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={self.exit_timeout_s}",
                *(f"--backend-config=python,{key}={value}" for key, value in python_config.items()),
                *self.extra_args]
@@ -313,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=8000, help="0 for any free port (also below)")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--host", default=LOOPBACK,
+                        help="the IPv4 address the three ports listen on; 0.0.0.0: every interface")
+    parser.add_argument("--open-admin-apis", action="store_true",
+                        help=f"let any client use Triton's admin APIs ({', '.join(ADMIN_APIS)}); by "
+                             f"default only one sending the header `{ADMIN_HEADER}: ${ADMIN_KEY_ENV}` (none if "
+                             "it is unset)")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--log-file", type=Path, help="default: tritonserver.log in a temporary dir")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
@@ -333,7 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
-                          args.log_verbose, extra, log_path=args.log_file, echo=True)
+                          args.log_verbose, extra, log_path=args.log_file, echo=True, host=args.host,
+                          admin_key=None if args.open_admin_apis else admin_key_from_env())
+    if server.admin_key is None:
+        admin = "Admin APIs: open to every client (--open-admin-apis).\n"
+    elif os.environ.get(ADMIN_KEY_ENV):
+        admin = f"Admin APIs ({', '.join(ADMIN_APIS)}): send the header `{ADMIN_HEADER}: ${ADMIN_KEY_ENV}`.\n"
+    else:
+        admin = f"Admin APIs ({', '.join(ADMIN_APIS)}): closed, {ADMIN_KEY_ENV} is unset.\n"
     try:
         restarts = 0
         while True:
@@ -344,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"  python -m client \"Write a haiku about GPUs\" --stream    # gRPC on {server.url_grpc}\n"
                       f"  curl -sN {server.url_http}/v2/models/llm/generate_stream"
                       " -d '{\"text_input\": \"Write a haiku about GPUs\", \"max_tokens\": 64}'\n"
-                      f"  curl -s {server.url_metrics} | head\nCtrl-C to stop.", flush=True)
+                      f"  curl -s {server.url_metrics} | head\n{admin}Ctrl-C to stop.", flush=True)
             else:
                 print(f"tritonserver restarted, ready in {elapsed:.1f}s", file=sys.stderr, flush=True)
             up_since = time.monotonic()

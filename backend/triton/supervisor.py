@@ -21,10 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from backend.triton.launcher import TritonServer
+from typing import Protocol
 
 STUB = "triton_python_backend_stub"
 HEARTBEAT = "llm_engine_heartbeat_timestamp_seconds"
@@ -56,9 +53,23 @@ def heartbeats(metrics_text: str) -> dict[str, float]:
     return beats
 
 
+class Supervised(Protocol):
+    """What the supervisor needs of a server: the launcher's TritonServer (the launcher imports this)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def url_metrics(self) -> str: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Supervisor:
-    server: TritonServer
+    server: Supervised
     stall_timeout_s: float = 30.0  # a step may take this long before the engine counts as wedged; 0: no check
     poll_s: float = 1.0
     _stubs: dict[str, int] = field(default_factory=dict, init=False)
