@@ -1,13 +1,29 @@
-"""python -m client "Write a haiku about GPUs" --stream   (prints text as it arrives, then latency stats)"""
+"""python -m client "Write a haiku about GPUs" --stream   (prints text as it arrives, then latency stats)
+
+Structured output: --json, --json-schema FILE, --regex RE, --choice A --choice B, --grammar FILE."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from client.client import LLMClient
+
+
+def guided_inputs(args: argparse.Namespace) -> dict[str, str]:
+    """guided_decoding_guide_type / guided_decoding_guide from the CLI's guide flags (none: no guide)."""
+    if args.json:
+        return {"guided_decoding_guide_type": "json"}
+    for kind, spec in (("json_schema", args.json_schema and args.json_schema.read_text()), ("regex", args.regex),
+                       ("choice", args.choice and json.dumps(args.choice)),
+                       ("ebnf_grammar", args.grammar and args.grammar.read_text())):
+        if spec:
+            return {"guided_decoding_guide_type": kind, "guided_decoding_guide": spec}
+    return {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,13 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--min-p", type=float)
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt with the model's chat template (default on)")
+    guide = p.add_mutually_exclusive_group()
+    guide.add_argument("--json", action="store_true", help="the output is a JSON object")
+    guide.add_argument("--json-schema", type=Path, metavar="FILE", help="the output validates against this schema")
+    guide.add_argument("--regex", help="the output matches this regular expression")
+    guide.add_argument("--choice", action="append", help="the output is one of these (repeatable)")
+    guide.add_argument("--grammar", type=Path, metavar="FILE", help="the output parses with this GBNF/Lark grammar")
     args = p.parse_args(argv)
 
     options = dict(max_tokens=args.max_tokens, stream=args.stream, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop_words=args.stop, apply_chat_template=args.chat_template,
-                   exclude_input_in_output=True, return_num_output_tokens=True, return_finish_reason=True)
+                   top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_words=args.stop,
+                   apply_chat_template=args.chat_template, exclude_input_in_output=True, return_num_output_tokens=True,
+                   return_finish_reason=True, **guided_inputs(args))
     client = LLMClient(args.url, args.model)
     start = time.monotonic()
     times, outputs = [], {}

@@ -53,6 +53,7 @@ OUT_OF_RANGE = {
     "temperature": (-0.5,),
     "repetition_penalty": (0.0, -1.0),  # > 0
     "timeout_ms": (-1,),
+    "min_p": (-0.1, 1.5),  # in [0, 1]
 }
 # ... and the numeric inputs that take any value of their datatype (finite, for FP32).
 ANY_VALUE = {"pad_id", "priority", "seed", "presence_penalty", "frequency_penalty"}
@@ -64,6 +65,7 @@ ABSURD = {
     "stop_words": {"100k-words": ["w"] * 100_000, "long-word": ["w" * (MAX_CHARS["stop_words"] + 1)]},
     "bad_words": {"100k-words": ["w"] * 100_000, "long-word": ["w" * (MAX_CHARS["bad_words"] + 1)]},
     "tenant": {"long": "t" * (MAX_CHARS["tenant"] + 1)},
+    "guided_decoding_guide": {"long": "a" * (MAX_CHARS["guided_decoding_guide"] + 1)},
 }
 ODD_BUT_VALID = (
     {"seed": 2**64 - 1, "temperature": 1.0},
@@ -77,6 +79,8 @@ ODD_BUT_VALID = (
     {"min_tokens": MAX_TOKENS, "min_length": MAX_TOKENS},
     {"priority": -2**31, "timeout_ms": 2**31 - 1, "pad_id": -1, "top_k": 2**31 - 1},
     {"presence_penalty": -1e30, "frequency_penalty": 1e30, "repetition_penalty": 1e30},
+    {"guided_decoding_guide_type": "json", "guided_decoding_guide": ""},  # any JSON object: no guide needed
+    {"min_p": 1.0, "temperature": 1.0},
     {"stop": True},  # a cancel of nothing: ends at once
 )
 

@@ -1,10 +1,13 @@
 """Dynamo's preprocessed request -> GenerationRequest: every OpenAI option reaches SamplingParams or is refused
 by name (backend/dynamo/request.py; no Dynamo import needed)."""
 
+import json
+
 import pytest
 
 from backend.dynamo.request import generation_request
 from backend.engine.errors import InvalidRequestError
+from backend.engine.guided_decoding import Guide
 
 EOS = (2,)
 
@@ -39,9 +42,9 @@ def test_defaults_fill_the_context_and_ignore_eos_drops_eos():
     ("n", _request(sampling={"n": 3})),
     ("best_of", _request(sampling={"best_of": 2})),
     ("use_beam_search", _request(sampling={"use_beam_search": True})),
-    ("min_p", _request(sampling={"min_p": 0.1})),
     ("length_penalty", _request(sampling={"length_penalty": 0.5})),
-    ("guided_decoding", _request(sampling={"guided_decoding": {"json": {}}})),
+    ("guided_decoding", _request(sampling={"guided_decoding": {"structural_tag": {"begin": "<a>"}}})),
+    ("guided_decoding", _request(sampling={"guided_decoding": {"json": {}, "regex": "a+"}})),
     ("max_thinking_tokens", _request(stop={"max_thinking_tokens": 10})),
     ("top_logprobs", _request(output={"logprobs": 5})),
     ("prompt_logprobs", _request(output={"prompt_logprobs": 1})),
@@ -51,3 +54,17 @@ def test_unsupported_options_are_refused_by_name(field, request_):
     with pytest.raises(InvalidRequestError) as err:
         generation_request(request_, EOS, max_model_len=100)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("guided, guide", [
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+     Guide("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))),
+    ({"json": '{"type": "object"}'}, Guide("json_schema", '{"type": "object"}')),
+    ({"regex": "[0-9]+", "choice": None}, Guide("regex", "[0-9]+")),
+    ({"choice": ["yes", "no"]}, Guide("choice", '["yes", "no"]')),
+    ({"grammar": 'root ::= "x"', "backend": "xgrammar"}, Guide("ebnf_grammar", 'root ::= "x"')),
+])
+def test_guided_decoding_and_min_p_reach_sampling_params(guided, guide):
+    """Dynamo's frontend turns response_format and vLLM's guided_* fields into sampling_options.guided_decoding."""
+    p = generation_request(_request(sampling={"guided_decoding": guided, "min_p": 0.05}), EOS, max_model_len=100).params
+    assert p.guided == guide and p.min_p == 0.05

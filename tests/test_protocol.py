@@ -309,10 +309,11 @@ def test_sizes_past_the_limits_are_refused_by_name():
                 parse_text_prompt(inputs)
             continue
         value = "é" * limit  # characters, not bytes: 2 bytes each
-        _parse(**{name: [value] if name.endswith("_words") else value})
+        typed = {"guided_decoding_guide_type": "regex"} if name == "guided_decoding_guide" else {}
+        _parse(**{name: [value] if name.endswith("_words") else value}, **typed)
         message = rf"^{name}: at most {limit} characters, got {limit + 1}$"
         with pytest.raises(InvalidRequestError, match=message):
-            _parse(**{name: [value + "x"] if name.endswith("_words") else value + "x"})
+            _parse(**{name: [value + "x"] if name.endswith("_words") else value + "x"}, **typed)
 
 
 def test_engine_errors_name_the_input_that_set_the_field():

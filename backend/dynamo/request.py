@@ -9,20 +9,34 @@ With `ignore_eos` the frontend sends no stop strings at all (a benchmark run to 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from backend.engine.errors import InvalidRequestError
+from backend.engine.guided_decoding import Guide
 from backend.engine.sampling import SamplingParams
 from backend.serving.request import GenerationRequest
 
 # sampling_options key -> SamplingParams field
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
             "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-            "frequency_penalty": "frequency_penalty"}
+            "frequency_penalty": "frequency_penalty", "min_p": "min_p"}
 # sampling options the engine does not implement, with the value that means "off"
-REFUSED = {"n": 1, "best_of": 1, "use_beam_search": False, "min_p": 0.0, "length_penalty": 1.0,
-           "guided_decoding": None}
+REFUSED = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0}
+# guided_decoding's keys (Dynamo's frontend fills them from response_format and vLLM's guided_* fields) -> Guide type
+GUIDES = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar"}
+
+
+def guide(options: Mapping[str, Any]) -> Guide | None:
+    """The one guide of `sampling_options.guided_decoding`; a structural tag or several guides are refused."""
+    given = {k: v for k, v in options.items() if v is not None and k not in ("backend", "whitespace_pattern")}
+    if not given:
+        return None
+    if len(given) > 1 or (key := next(iter(given))) not in GUIDES:
+        raise InvalidRequestError("guided_decoding", f"one of {list(GUIDES)} is supported, got {sorted(given)}")
+    value = given[key]
+    return Guide(GUIDES[key], value if isinstance(value, str) and key != "choice" else json.dumps(value))
 
 
 def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...],
@@ -38,7 +52,9 @@ def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...
     for key, value in sampling.items():
         if value is None:
             continue
-        if key in SAMPLING:
+        if key == "guided_decoding":
+            params["guided"] = guide(value)
+        elif key in SAMPLING:
             params[SAMPLING[key]] = 0 if key == "top_k" and value == -1 else value  # -1: vLLM's "off"
         elif key in REFUSED:
             if value != REFUSED[key]:

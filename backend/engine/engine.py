@@ -8,6 +8,7 @@ engine_thread.py) hand requests to the thread that calls `step()`. Every state c
 from __future__ import annotations
 
 import os
+from concurrent.futures import FIRST_COMPLETED, wait
 from collections.abc import Callable
 from collections.abc import Sequence as PromptIds
 from dataclasses import dataclass
@@ -18,12 +19,13 @@ import torch
 from backend.engine.batch import build_model_input
 from backend.engine.config import EngineConfig
 from backend.engine.errors import InvalidRequestError, UnknownRequestError
+from backend.engine.guided_decoding import GUIDE_FIELD, GrammarCompiler, GrammarState
 from backend.engine.kv_cache import KVCacheManager, bytes_per_block
 from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
-from backend.engine.sampling import SamplerRow, SamplingParams, SamplingState, sample
+from backend.engine.sampling import NO_TOKEN, SamplerRow, SamplingParams, SamplingState, sample
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.sequence import FinishReason, Sequence
 
@@ -38,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # of the prompt, reused from the prefix cache (OpenAI's usage.cached_tokens)
+    error: Exception | None = None  # with finish_reason "error": the request's error, for its front door
 
     @classmethod
     def of(cls, seq: Sequence, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
@@ -45,7 +48,7 @@ class RequestOutput:
                    finished=seq.finish_reason is not None,
                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                    num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
-                   num_cached_tokens=seq.num_cached_tokens)
+                   num_cached_tokens=seq.num_cached_tokens, error=seq.error)
 
 
 @dataclass
@@ -85,6 +88,8 @@ class LLMEngine:
         self._arrivals = 0
         self._last_step_tokens = 0
         self._in_step = False  # a step's forward is in flight (cut_in is allowed)
+        self._grammars: GrammarCompiler | None = None  # built by the first guided request
+        self._compiling: dict[str, Sequence] = {}  # guided requests whose grammar has not compiled yet
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -112,11 +117,32 @@ class LLMEngine:
         if quota and quota.max_blocks is not None and \
                 self.kv.blocks_for(len(prompt) + params.max_tokens) > quota.max_blocks:
             raise InvalidRequestError("max_tokens", f"prompt + max_tokens exceed tenant {tenant!r}'s KV quota")
+        state = SamplingState.create(params)
+        if params.guided is not None:
+            state.grammar = GrammarState(self.grammars, self.grammars.compile(params.guided),
+                                         self._grammar_stop_ids(params))
+            if (err := state.grammar.error) is not None:  # known bad (compiled before): refused now
+                raise InvalidRequestError(err.field, err.reason)
         seq = Sequence(request_id, prompt, params, arrival_index=self._arrivals, priority=priority, tenant=tenant,
-                       sampling_state=SamplingState.create(params))
+                       sampling_state=state)
         self.scheduler.add(seq)
+        if state.grammar is not None and not state.grammar.done:
+            self._compiling[request_id] = seq
         self._arrivals += 1
         self.requests[request_id] = seq
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The guides' compiler, built by the first guided request (engines without any never load it)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.config.model, self.model_config.vocab_size)
+        return self._grammars
+
+    def _grammar_stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a guided output may end with once its grammar is complete: the request's stop ids (and EOS
+        unless ignored), or the model's EOS where that leaves none."""
+        ids = params.stop_token_ids + (() if params.ignore_eos else self.model_config.eos_token_ids)
+        return ids or self.model_config.eos_token_ids
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are freed now, its final output comes with the next step()."""
@@ -128,8 +154,13 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise UnknownRequestError(request_id)
+        self._compiling.pop(request_id, None)
         self.scheduler.finish(seq, reason)
         return RequestOutput.of(seq, [], [])
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        seq.error = error
+        return self.finish(seq.request_id, FinishReason.ERROR)
 
     def export_kv(self, token_ids: list[int]) -> ExportedKV:
         """A copy of the K/V of the longest cached run of `token_ids`' full blocks (after a prefill ran them)."""
@@ -164,11 +195,18 @@ class LLMEngine:
         """One step. `between_layers`, when given, is called between the model's layers (by the runners that run
         layer by layer: PyTorch); the serving loop admits arrivals there and may run `cut_in()`."""
         outputs, self._pending = self._pending, []
+        for seq in [s for s in self._compiling.values() if s.sampling_state.grammar.done]:
+            del self._compiling[seq.request_id]
+            if (error := seq.sampling_state.grammar.error) is not None:
+                outputs.append(self._fail(seq, error))
         if not self.scheduler.has_work():
             return outputs
         sched = self.scheduler.schedule()
         self._last_step_tokens = sched.num_tokens
         if not sched.scheduled:
+            if self._compiling and not outputs:  # nothing to run until a grammar compiles: wait for one, briefly
+                wait([s.sampling_state.grammar.pending for s in self._compiling.values()], timeout=0.01,
+                     return_when=FIRST_COMPLETED)
             return outputs
         self._in_step = True
         try:
@@ -193,12 +231,16 @@ class LLMEngine:
         sampled = [i for i, (seq, n) in enumerate(sched.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
         rows = [self._sampler_row(sched.scheduled[i][0]) for i in sampled]
         tokens, logprobs = sample(logits[np.asarray(sampled, dtype=np.int64)], rows) if rows else ([], [])
+        dead = [sched.scheduled[i][0] for i, token in zip(sampled, tokens) if token == NO_TOKEN]
         outputs = []
-        for seq, token, logprob in self.scheduler.update_from_output(sched, dict(zip(sampled, zip(tokens, logprobs)))):
+        for seq, token, logprob in self.scheduler.update_from_output(
+                sched, {i: sample for i, sample in zip(sampled, zip(tokens, logprobs)) if sample[0] != NO_TOKEN}):
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
             outputs.append(RequestOutput.of(seq, [token], [logprob]))
-        return outputs
+        return outputs + [self._fail(seq, InvalidRequestError(
+            GUIDE_FIELD, f"no token is allowed after {len(seq.output_token_ids)} output tokens (the guide, "
+                         "min_tokens and bad_words leave none)")) for seq in dead]
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         """The sampler's view of a sequence that yields a token this step, with the ids it may not pick:
@@ -207,6 +249,8 @@ class LLMEngine:
         banned = []
         if len(seq.output_token_ids) < p.min_tokens:
             banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.model_config.eos_token_ids))
+            if p.guided is not None:
+                banned += self._grammar_stop_ids(p)
         tokens = seq.token_ids
         for word in p.bad_words_ids:
             prefix = list(word[:-1])

@@ -3,7 +3,10 @@
 Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own
 `torch.Generator`, so a request with a seed yields the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits before
-penalties/temperature), as vLLM and TensorRT-LLM report them.
+a guide's mask, penalties and temperature), as vLLM and TensorRT-LLM report them by default.
+
+Order per row, as in vLLM: a guide's mask (guided_decoding.py), penalties, banned ids, temperature, min_p,
+top-k, top-p, then the draw.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.engine.errors import InvalidRequestError
+from backend.engine.guided_decoding import GrammarState, Guide, apply_masks
+
+NO_TOKEN = -1  # sample()'s token for a guided row that allows none (its grammar, min_tokens and bad words)
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest's probability; 0: off
     seed: int | None = None
     repetition_penalty: float = 1.0  # HF semantics, over prompt and output
     presence_penalty: float = 0.0  # OpenAI semantics, over output
@@ -30,6 +37,7 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
     ignore_eos: bool = False
     logprobs: bool = False
+    guided: Guide | None = None
 
     def validate(self, vocab_size: int) -> None:
         if self.max_tokens < 1:
@@ -42,6 +50,8 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name, ids in (("stop_token_ids", self.stop_token_ids),
@@ -51,6 +61,8 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"token ids outside [0, {vocab_size}): {bad[:5]}")
         if any(len(w) == 0 for w in self.bad_words_ids):
             raise InvalidRequestError("bad_words_ids", "empty word")
+        if self.guided is not None:
+            self.guided.validate()
 
     @property
     def greedy(self) -> bool:
@@ -63,9 +75,16 @@ class SamplingParams:
 
 @dataclass
 class SamplingState:
-    """Per-sequence sampler state: the generator that makes seeded sampling batch-independent."""
+    """Per-sequence sampler state: the generator that makes seeded sampling batch-independent, and the matcher
+    of a guided request."""
 
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the sequence may be scheduled: its grammar, if any, has compiled."""
+        return self.grammar is None or self.grammar.ready
 
     @classmethod
     def create(cls, params: SamplingParams) -> "SamplingState":
@@ -101,7 +120,12 @@ def _apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with min_p, top-k and top-p applied (dropped tokens at -inf)."""
+    top_k, top_p = params.top_k, params.top_p
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if top_k > 0 and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -115,28 +139,37 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[float | None]]:
-    """Pick one token per row of `logits` [S, V] (float32). Returns token ids and their logprobs."""
+    """Pick one token per row of `logits` [S, V] (float32). Returns token ids (NO_TOKEN for a guided row that
+    allows none) and their logprobs."""
     logits = logits.float()
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = logits
-    if any(r.params.penalized or r.banned_ids for r in rows):
+    guided = {i: r.state.grammar for i, r in enumerate(rows) if r.state.grammar is not None}
+    if guided or any(r.params.penalized or r.banned_ids for r in rows):
         processed = logits.clone()
+        if guided:
+            apply_masks(processed, guided)
         for i, row in enumerate(rows):
             if row.params.penalized:
                 _apply_penalties(processed[i], row)
             if row.banned_ids:
                 processed[i, row.banned_ids] = float("-inf")
     tokens = processed.argmax(dim=-1).tolist()
+    rows_guided = list(guided)
+    dead = {rows_guided[j] for j in torch.isneginf(processed[rows_guided]).all(dim=-1).nonzero().flatten().tolist()}
     for i, row in enumerate(rows):
         p = row.params
+        if i in dead:
+            tokens[i] = NO_TOKEN
+            continue
         if p.greedy:
             continue
-        scaled = _filter_top_k_top_p(processed[i] / p.temperature, p.top_k, p.top_p)
+        scaled = _filter(processed[i] / p.temperature, p)
         probs = torch.softmax(scaled, dim=-1)
         # Exponential race == multinomial draw, one generator call per row and step.
         noise = torch.empty_like(probs).exponential_(generator=row.state.generator)
         tokens[i] = int((probs / noise).argmax())
-    logprobs = [float(raw_logprobs[i, t]) if r.params.logprobs else None
+    logprobs = [float(raw_logprobs[i, t]) if r.params.logprobs and t != NO_TOKEN else None
                 for i, (t, r) in enumerate(zip(tokens, rows))] if raw_logprobs is not None else [None] * len(rows)
     return tokens, logprobs

@@ -112,15 +112,19 @@ class Scheduler:
 
     # -- policy ---------------------------------------------------------------------------------
 
-    def _next_waiting(self) -> int:
+    def _next_waiting(self) -> int | None:
         """Which waiting sequence to admit next: the best priority class first; within it, the tenant with the
         fewest running sequences (requests without a tenant are one tenant), then the one with the fewest waiting,
         then FCFS. So a tenant that floods the queue shares the batch with the others instead of filling it, with
-        no quota set, and a light tenant goes before a burst that arrived with it."""
-        best = self.waiting[0].priority
+        no quota set, and a light tenant goes before a burst that arrived with it. Sequences whose grammar is still
+        compiling wait on (guided_decoding.py); None when no other waits."""
+        ready = [(i, s) for i, s in enumerate(self.waiting) if s.sampling_state.ready]
+        if not ready:
+            return None
+        best = ready[0][1].priority
         running = Counter(s.tenant for s in self.running)
         waiting = Counter(s.tenant for s in self.waiting)
-        same_class = itertools.takewhile(lambda item: item[1].priority == best, enumerate(self.waiting))
+        same_class = itertools.takewhile(lambda item: item[1].priority == best, ready)
         return min(same_class, key=lambda item: (running[item[1].tenant], waiting[item[1].tenant], item[0]))[0]
 
     def _max_blocks(self, seq: Sequence) -> int:
@@ -158,8 +162,9 @@ class Scheduler:
         """Before anything else this step, admit waiting sequences whose tenant runs below its fair share while
         another runs above it. Tokens scheduled."""
         used = 0
-        while self.waiting and used < budget and self.config.admission_policy == "max_utilization":
-            seq = self.waiting[self._next_waiting()]
+        while used < budget and self.config.admission_policy == "max_utilization" \
+                and (i := self._next_waiting()) is not None:
+            seq = self.waiting[i]
             if (heavier := self._heavier_tenant(seq)) is None:
                 break
             if not (n := self._take_room(seq, heavier[0], budget - used, preempted)):
@@ -244,8 +249,7 @@ class Scheduler:
             return SchedulerOutput(scheduled, preempted)
 
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            i = self._next_waiting()
+        while budget > 0 and len(self.running) < self.config.max_num_seqs and (i := self._next_waiting()) is not None:
             seq = self.waiting[i]
             if self._at_running_quota(seq):
                 skipped.append(self.waiting.pop(i))
@@ -270,10 +274,10 @@ class Scheduler:
         is light (`_heavier_tenant`, as `_admit_below_share` would admit it); None when there is none. The
         running sequences are mid-step, so nothing is preempted: the batch needs a free slot and the pool free
         blocks. The step after counts as following an alone step, so one cut-in per step at most."""
-        if (self._last_step_alone or not self.waiting or len(self.running) >= self.config.max_num_seqs
-                or self.config.admission_policy != "max_utilization"):
+        if (self._last_step_alone or len(self.running) >= self.config.max_num_seqs
+                or self.config.admission_policy != "max_utilization" or (i := self._next_waiting()) is None):
             return None
-        seq = self.waiting[self._next_waiting()]
+        seq = self.waiting[i]
         if self._heavier_tenant(seq) is None:
             return None
         n = self._allocate_first_chunk(seq, self.config.max_num_batched_tokens, self.kv.find_cached_prefix(seq))
@@ -298,6 +302,8 @@ class Scheduler:
                 continue
             token, logprob = sampled[i]
             seq.output_token_ids.append(token)
+            if seq.sampling_state.grammar is not None:
+                seq.sampling_state.grammar.accept(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
@@ -309,6 +315,8 @@ class Scheduler:
         n = len(seq.output_token_ids)
         if n >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             return FinishReason.STOP
+        if seq.sampling_state.grammar is not None and seq.sampling_state.grammar.terminated:
+            return FinishReason.STOP  # on the model's EOS, where the request has no stop id (guided_decoding.py)
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -25,6 +25,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     CANCELLED = "cancelled"  # aborted by the client
     TIMEOUT = "timeout"  # past the request's deadline (its timeout_ms)
+    ERROR = "error"  # failed after admission (a guide that does not compile or allows no token): see `error`
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, in order
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    error: Exception | None = None  # why it ended, with FinishReason.ERROR
 
     @property
     def num_tokens(self) -> int:

@@ -284,6 +284,11 @@ class EngineLoop:
         if sub is None:
             return
         lane = FIRST if sub.last_token_at is None else REST
+        if out.error is not None:  # failed after admission (guided_decoding.py): an error, as a refusal is
+            del self._active[out.request_id]
+            self._queue(functools.partial(self.observer.on_refused, "invalid"), lane)
+            self._queue(functools.partial(_safe_fail, sub, out.error), lane)
+            return
         if sub.detokenizer is not None and not out.finished and self._hits_stop_string(sub, out):
             final = self.engine.finish(sub.engine_id, FinishReason.STOP)
             out = dataclasses.replace(out, finished=True, finish_reason=final.finish_reason)

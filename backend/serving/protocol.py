@@ -110,6 +110,12 @@ INPUTS: tuple[TensorSpec, ...] = (
     _input("tenant", "TYPE_STRING", (1,), "the tenant whose quota the request counts against; empty: none"),
     _input("timeout_ms", "TYPE_INT32", (1,), "end the request this long after it arrived, finish reason "
                                              "`timeout`, with what it generated so far; 0: no deadline"),
+    _input("min_p", "TYPE_FP32", (1,), "drop tokens below min_p x the likeliest token's probability, in [0, 1]; "
+                                       "0: off"),
+    _input("guided_decoding_guide_type", "TYPE_STRING", (1,), "hold the output to a guide: json (any object), "
+           "json_schema, regex, choice, ebnf_grammar (tensorrtllm_backend's names, plus choice)"),
+    _input("guided_decoding_guide", "TYPE_STRING", (1,), "the JSON schema, regex, choices (a JSON list of strings) "
+                                                         "or EBNF grammar; none for json"),
 )
 
 _IDS = frozenset({LLM})

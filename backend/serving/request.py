@@ -9,6 +9,8 @@ is allowed; the engine's own errors name its fields, which `input_error` turns b
   ends on the token that completes one, and that token's text is part of the output.
 - `bad_words` are strings; each is banned as tokenized with and without a leading space.
 - `min_length` is accepted as an alias of `min_tokens` (genai-perf sends it).
+- `guided_decoding_guide_type` / `guided_decoding_guide` (tensorrtllm_backend's names) hold the output to a JSON
+  schema, any JSON object, a regex, a choice list or an EBNF grammar (backend/engine/guided_decoding.py).
 - `exclude_input_in_output` defaults to true: Triton's OpenAI frontend never sends it and expects only
   the completion (tensorrtllm_backend sets it at deployment; genai-perf sends true).
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from backend.engine.errors import InvalidRequestError
+from backend.engine.guided_decoding import Guide
 from backend.engine.kv_transfer import ExportedKV
 from backend.engine.sampling import SamplingParams
 from backend.serving.protocol import LLM, PREPROCESSING, TensorSpec, inputs_of
@@ -32,7 +35,8 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 # at the cost of every other request: the most entries of a list input and the most characters of one string
 # (1 Mi characters of text_input is some 250k tokens of English, more than any context served here).
 MAX_ENTRIES = {"stop_words": 256, "bad_words": 256}
-MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096}
+MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096,
+             "guided_decoding_guide": 1 << 18}
 # The fields the engine names in its errors (LLMEngine.add_request, SamplingParams.validate) -> the inputs
 # that set them in parse_request, so that an error names what the client sent, on every front door.
 ENGINE_FIELD_INPUTS = {"prompt_token_ids": "input_ids (text_input once tokenized)",
@@ -144,6 +148,11 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         given["tenant"] = given["tenant"] or None
     if given.get("timeout_ms", 0) < 0:
         raise InvalidRequestError("timeout_ms", f"must be >= 0 (0: no deadline), got {given['timeout_ms']}")
+    guide_type, guide = given.pop("guided_decoding_guide_type", None), given.pop("guided_decoding_guide", "")
+    if guide_type:
+        given["guided"] = Guide(guide_type, guide)
+    elif guide:
+        raise InvalidRequestError("guided_decoding_guide_type", "missing (the type of guided_decoding_guide)")
     sampling = {name: given.pop(name) for name in SAMPLING_FIELDS if name in given}
     if "return_log_probs" in given:
         sampling["logprobs"] = given.pop("return_log_probs")
