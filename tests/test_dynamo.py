@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 
+import jsonschema
 import pytest
 from openai import OpenAI
 
@@ -85,9 +87,35 @@ def test_stop_string_ends_the_output_before_it(client):
     assert (out.text, out.finish_reason) == (free[:free.index(stop)], "stop"), (free, stop)
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_openai_api(client):
+    """response_format (json_schema, json_object) and vLLM's guided_regex / guided_choice, as the openai package
+    sends them; Dynamo's frontend turns them into sampling_options.guided_decoding for the worker."""
+    messages = [{"role": "user", "content": "Describe a person."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "person", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=1.0, seed=1,
+                                         response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":  # an unbounded object may run to max_tokens
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    regex = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=2,
+                                      extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"}).choices[0].text
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", regex), regex
+    choice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=3,
+                                       extra_body={"guided_choice": ["Paris", "Lyon"]}).choices[0].text
+    assert choice in ("Paris", "Lyon")
+
+
 @pytest.mark.parametrize("field, body", [
     ("n", {"n": 2}),
-    ("min_p", {"min_p": 0.5}),
+    ("min_p", {"min_p": 1.5}),
+    ("guided_decoding_guide", {"guided_json": {"type": "array", "uniqueItems": True}}),
     ("top_logprobs", {"logprobs": 3}),
     ("top_p", {"top_p": 0.0}),
 ])
