@@ -54,6 +54,7 @@ OUT_OF_RANGE = {
     "repetition_penalty": (0.0, -1.0),  # > 0
     "timeout_ms": (-1,),
     "min_p": (-0.1, 1.5),  # in [0, 1]
+    "top_logprobs": (-1, 21),  # in [0, 20]
 }
 # ... and the numeric inputs that take any value of their datatype (finite, for FP32).
 ANY_VALUE = {"pad_id", "priority", "seed", "presence_penalty", "frequency_penalty"}
@@ -81,6 +82,7 @@ ODD_BUT_VALID = (
     {"presence_penalty": -1e30, "frequency_penalty": 1e30, "repetition_penalty": 1e30},
     {"guided_decoding_guide_type": "json", "guided_decoding_guide": ""},  # any JSON object: no guide needed
     {"min_p": 1.0, "temperature": 1.0},
+    {"top_logprobs": 20, "return_log_probs": False},
     {"stop": True},  # a cancel of nothing: ends at once
 )
 

@@ -112,11 +112,28 @@ def test_structured_output_through_the_openai_api(client):
     assert choice in ("Paris", "Lyon")
 
 
+def test_top_logprobs_through_the_openai_api(client):
+    """Chat's logprobs + top_logprobs and the completions API's logprobs N reach the worker as output_options.logprobs;
+    each token comes back with its N likeliest, likeliest first (the greedy token first), their text filled in by
+    the frontend."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=5,
+                                          extra_body=IGNORE_EOS)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 5 and [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert top[0].token == entry.token and top[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+                                           extra_body=IGNORE_EOS)
+    assert [len(top) for top in completion.choices[0].logprobs.top_logprobs] == [3] * 4
+
+
 @pytest.mark.parametrize("field, body", [
     ("n", {"n": 2}),
     ("min_p", {"min_p": 1.5}),
     ("guided_decoding_guide", {"guided_json": {"type": "array", "uniqueItems": True}}),
-    ("top_logprobs", {"logprobs": 3}),
     ("top_p", {"top_p": 0.0}),
 ])
 def test_bad_request_is_a_4xx_naming_the_field_and_the_next_is_served(cluster, client, field, body):
@@ -154,6 +171,23 @@ def test_kv_router_sends_a_shared_prefix_to_the_worker_that_holds_it(cluster):
         workers = {w for w, _ in served}
         assert len(workers) == 1, f"prefix {doc} was spread over workers: {served}"
         assert served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:]), served  # the engine's own hits
+
+
+def test_a_cache_salt_keeps_prefixes_apart_and_the_router_follows_it(cluster):
+    """OpenAI requests with nvext.cache_salt: the same salt's turns go to one worker and hit its cache (the router
+    hashes the request with the salt, as the worker's KV events do); another salt shares nothing."""
+    prefix = " ".join(f"w{i % 13}" for i in range(200))
+
+    def ask(turn: int, salt: str) -> tuple[int, int]:
+        code, body = post(cluster, "/v1/completions", {
+            "model": MODEL, "prompt": f"{prefix} question {turn}", "max_tokens": 2,
+            "nvext": {"extra_fields": ["worker_id"], "cache_salt": salt}})
+        assert code == 200, body
+        return body["nvext"]["worker_id"]["decode_worker_id"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    salted = [ask(turn, "tenant-a") for turn in range(4)]
+    assert len({w for w, _ in salted}) == 1 and salted[0][1] == 0 and all(c > 0 for _, c in salted[1:]), salted
+    assert ask(9, "tenant-b")[1] == 0
 
 
 def test_a_killed_worker_is_dropped_and_the_others_serve(cluster, client):

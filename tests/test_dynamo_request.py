@@ -38,6 +38,19 @@ def test_defaults_fill_the_context_and_ignore_eos_drops_eos():
     assert not req.params.logprobs
 
 
+@pytest.mark.parametrize("logprobs, expected", [(None, (False, 0)), (0, (True, 0)), (5, (True, 5)), (20, (True, 20))])
+def test_logprobs_n_asks_for_the_n_likeliest_tokens(logprobs, expected):
+    """output_options.logprobs: chat's top_logprobs (with logprobs true), the completions API's logprobs."""
+    p = generation_request(_request(output={"logprobs": logprobs}), EOS, max_model_len=100).params
+    assert (p.logprobs, p.top_logprobs) == expected
+
+
+def test_prompt_logprobs_are_refused_beside_top_logprobs():
+    with pytest.raises(InvalidRequestError) as err:
+        generation_request(_request(output={"logprobs": 5, "prompt_logprobs": 1}), EOS, max_model_len=100)
+    assert err.value.field == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("field, request_", [
     ("n", _request(sampling={"n": 3})),
     ("best_of", _request(sampling={"best_of": 2})),
@@ -46,7 +59,6 @@ def test_defaults_fill_the_context_and_ignore_eos_drops_eos():
     ("guided_decoding", _request(sampling={"guided_decoding": {"structural_tag": {"begin": "<a>"}}})),
     ("guided_decoding", _request(sampling={"guided_decoding": {"json": {}, "regex": "a+"}})),
     ("max_thinking_tokens", _request(stop={"max_thinking_tokens": 10})),
-    ("top_logprobs", _request(output={"logprobs": 5})),
     ("prompt_logprobs", _request(output={"prompt_logprobs": 1})),
     ("prompt", _request(tokens=())),
 ])
@@ -68,3 +80,9 @@ def test_guided_decoding_and_min_p_reach_sampling_params(guided, guide):
     """Dynamo's frontend turns response_format and vLLM's guided_* fields into sampling_options.guided_decoding."""
     p = generation_request(_request(sampling={"guided_decoding": guided, "min_p": 0.05}), EOS, max_model_len=100).params
     assert p.guided == guide and p.min_p == 0.05
+
+
+def test_the_cache_salt_comes_from_the_routing_hints():
+    """Dynamo's frontend puts OpenAI's nvext.cache_salt into `routing` (its KV router hashes with it too)."""
+    req = generation_request({**_request(), "routing": {"dp_rank": 0, "cache_salt": "tenant-a"}}, EOS, max_model_len=100)
+    assert req.cache_salt == "tenant-a" and generation_request(_request(), EOS, max_model_len=100).cache_salt is None

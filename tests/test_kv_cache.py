@@ -126,3 +126,33 @@ def test_kv_events_are_off_by_default():
     a.num_computed_tokens = 3
     kv.cache_computed_blocks(a)
     assert kv.take_events() == [] and kv.pool.events is None
+
+
+def test_a_salt_keeps_equal_prompts_apart_and_the_events_carry_it(tiny_model_dir):
+    """cache_salt (vLLM's) and the tenant (prefix_cache_scope "tenant", the default) enter the first block's hash:
+    the same prompt under another salt or tenant shares no block; under the same one it does."""
+    from backend.engine import EngineConfig, LLMEngine
+    from backend.engine.sampling import SamplingParams
+
+    prompt = list(range(100, 164))  # 4 full blocks
+
+    def cached_tokens(engine, **kw) -> int:
+        rid = f"r{engine.stats().num_running}-{len(kw)}-{sorted(kw.items())}"
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1), **kw)
+        seq = engine.requests[rid]
+        while engine.has_unfinished():
+            engine.step()
+        return seq.num_cached_tokens
+
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=64, enable_kv_events=True))
+    assert cached_tokens(engine, cache_salt="a") == 0
+    assert cached_tokens(engine, cache_salt="a") == 48  # all full blocks but the last token's
+    assert cached_tokens(engine, cache_salt="b") == 0 and cached_tokens(engine) == 0
+    assert cached_tokens(engine, tenant="t1") == 0 and cached_tokens(engine, tenant="t2") == 0
+    assert cached_tokens(engine, tenant="t1") == 48
+    stored = [e for e in engine.kv.take_events() if isinstance(e, BlockStored)]
+    assert {e.cache_salt for e in stored} == {"a", "b", None, "tenant=t1", "tenant=t2"}
+
+    shared = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=64, prefix_cache_scope="global"))
+    assert cached_tokens(shared, tenant="t1") == 0 and cached_tokens(shared, tenant="t2") == 48
+    assert cached_tokens(shared, tenant="t2", cache_salt="a") == 0

@@ -47,3 +47,14 @@ def test_unfetched_exports_expire_and_an_absent_peer_is_named():
             await fetch({**stale, "kv_port": port})
 
     asyncio.run(run())
+
+
+def test_the_listener_binds_only_the_configured_address():
+    async def run():
+        server = KVServer("127.0.0.2")  # a loopback address other than the default
+        await server.start()
+        assert {s.getsockname()[0] for s in server._server.sockets} == {"127.0.0.2"}
+        assert server.put(_kv(torch.float32))["kv_host"] == "127.0.0.2"
+        await server.close()
+
+    asyncio.run(run())

@@ -72,13 +72,14 @@ def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...
     eos = () if stop.get("ignore_eos") else eos_token_ids
     params["stop_token_ids"] = tuple(dict.fromkeys([*eos, *extra_stop_ids]))
 
+    # logprobs N: the sampled token's logprob and the N likeliest tokens' (chat's top_logprobs, completions' logprobs)
     logprobs = output.get("logprobs")
-    if logprobs is not None and int(logprobs) > 0:
-        raise InvalidRequestError("top_logprobs", "only the sampled token's logprob is supported (top_logprobs 0)")
     if output.get("prompt_logprobs"):
         raise InvalidRequestError("prompt_logprobs", "not supported by this engine")
     params["logprobs"] = logprobs is not None
+    params["top_logprobs"] = int(logprobs or 0)
 
     # EOS is handled through stop_token_ids above (as the Triton door does), so the engine ignores its own
     return GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(**params, ignore_eos=True),
-                             stop_strings=[s for s in stop.get("stop") or () if s])
+                             stop_strings=[s for s in stop.get("stop") or () if s],
+                             cache_salt=(request.get("routing") or {}).get("cache_salt") or None)  # nvext.cache_salt

@@ -140,6 +140,10 @@ class EngineWorker(DynamoEngine):
                 chunk: dict[str, Any] = {"token_ids": out.new_token_ids, "index": 0}
                 if req.params.logprobs:
                     chunk["log_probs"] = out.new_logprobs
+                if req.params.top_logprobs:  # as dynamo.sglang sends them: the frontend decodes each token's text
+                    chunk["top_logprobs"] = [[{"rank": rank, "token_id": token, "token": None, "logprob": logprob}
+                                              for rank, (token, logprob) in enumerate(top, 1)]
+                                             for top in out.new_top_logprobs]
                 if out.finished:
                     finished = True
                     chunk["finish_reason"] = out.finish_reason

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 AdmissionPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 ADMISSION_POLICIES = ("max_utilization", "guaranteed_no_evict")
+PrefixCacheScope = Literal["tenant", "global"]
+PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,14 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # record prefix-cache stores/evictions for a KV-aware router
+    # tenant: a tenant's requests share cached prefixes only among themselves (the tenant enters the first block's
+    # hash, so no tenant can time another's prompts); global: everyone's requests share them
+    prefix_cache_scope: PrefixCacheScope = "tenant"
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope: expected one of {list(PREFIX_CACHE_SCOPES)}, got "
+                             f"{self.prefix_cache_scope!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
 

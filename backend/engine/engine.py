@@ -25,7 +25,7 @@ from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
-from backend.engine.sampling import NO_TOKEN, SamplerRow, SamplingParams, SamplingState, sample
+from backend.engine.sampling import NO_TOKEN, Sampled, SamplerRow, SamplingParams, SamplingState, sample
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.sequence import FinishReason, Sequence
 
@@ -35,6 +35,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float | None]
+    new_top_logprobs: list[list[tuple[int, float]]]  # per new token, likeliest first; empty lists when not asked
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
@@ -43,8 +44,9 @@ class RequestOutput:
     error: Exception | None = None  # with finish_reason "error": the request's error, for its front door
 
     @classmethod
-    def of(cls, seq: Sequence, tokens: list[int], logprobs: list[float | None]) -> RequestOutput:
-        return cls(request_id=seq.request_id, new_token_ids=tokens, new_logprobs=logprobs,
+    def of(cls, seq: Sequence, picks: list[Sampled]) -> RequestOutput:
+        return cls(request_id=seq.request_id, new_token_ids=[p.token for p in picks],
+                   new_logprobs=[p.logprob for p in picks], new_top_logprobs=[p.top_logprobs for p in picks],
                    finished=seq.finish_reason is not None,
                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                    num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
@@ -95,8 +97,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: PromptIds[int],
                     sampling_params: SamplingParams | None = None, priority: int = 0,
-                    tenant: str | None = None) -> None:
-        """Queue a request. Raises InvalidRequestError (naming the field) or QueueFullError."""
+                    tenant: str | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (naming the field) or QueueFullError. Its prompt shares cached
+        KV blocks only with requests of the same `cache_salt` (and tenant, by `prefix_cache_scope`)."""
         params = sampling_params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         if request_id in self.requests:
@@ -122,9 +125,10 @@ class LLMEngine:
             state.grammar = GrammarState(self.grammars, self.grammars.compile(params.guided),
                                          self._grammar_stop_ids(params))
             if (err := state.grammar.error) is not None:  # known bad (compiled before): refused now
-                raise InvalidRequestError(err.field, err.reason)
+                raise InvalidRequestError(err.field, err.reason) if isinstance(err, InvalidRequestError) else \
+                    RuntimeError(f"guided decoding failed: {err!r}")
         seq = Sequence(request_id, prompt, params, arrival_index=self._arrivals, priority=priority, tenant=tenant,
-                       sampling_state=state)
+                       sampling_state=state, cache_salt=self.cache_salt(tenant, cache_salt))
         self.scheduler.add(seq)
         if state.grammar is not None and not state.grammar.done:
             self._compiling[request_id] = seq
@@ -156,19 +160,28 @@ class LLMEngine:
             raise UnknownRequestError(request_id)
         self._compiling.pop(request_id, None)
         self.scheduler.finish(seq, reason)
-        return RequestOutput.of(seq, [], [])
+        return RequestOutput.of(seq, [])
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         seq.error = error
         return self.finish(seq.request_id, FinishReason.ERROR)
 
-    def export_kv(self, token_ids: list[int]) -> ExportedKV:
-        """A copy of the K/V of the longest cached run of `token_ids`' full blocks (after a prefill ran them)."""
-        block_ids = self.kv.cached_prefix_blocks(token_ids)
+    def cache_salt(self, tenant: str | None, cache_salt: str | None) -> str | None:
+        """The salt of a request's block hashes: its own `cache_salt`, behind its tenant's name where the prefix
+        cache is scoped by tenant; None (shared by all) for neither."""
+        scoped = tenant if self.config.cache.prefix_cache_scope == "tenant" else None
+        if scoped is None:
+            return cache_salt
+        return f"tenant={scoped}" + ("" if cache_salt is None else f"\x00{cache_salt}")
+
+    def export_kv(self, token_ids: list[int], salt: str | None = None) -> ExportedKV:
+        """A copy of the K/V of the longest cached run of `token_ids`' full blocks (after a prefill ran them), under
+        `salt` (`cache_salt()`)."""
+        block_ids = self.kv.cached_prefix_blocks(token_ids, salt)
         return ExportedKV(len(block_ids) * self.kv.block_size, self.kv.block_size,
                           read_blocks(self.runner.kv_cache, block_ids))
 
-    def import_kv(self, token_ids: list[int], kv: ExportedKV) -> int:
+    def import_kv(self, token_ids: list[int], kv: ExportedKV, salt: str | None = None) -> int:
         """Enter K/V exported by another engine for `token_ids`' leading full blocks into the prefix cache;
         a request for these tokens then computes only the rest. Returns the tokens now cached."""
         cache = self.runner.kv_cache
@@ -178,7 +191,7 @@ class LLMEngine:
                                             f"pool ({list(expected)} {cache.dtype}, block_size {self.kv.block_size})")
         tokens = token_ids[:kv.num_tokens]
         return self.kv.block_size * self.kv.import_prefix(
-            tokens, lambda positions, block_ids: write_blocks(cache, block_ids, kv.data[:, :, positions]))
+            tokens, lambda positions, block_ids: write_blocks(cache, block_ids, kv.data[:, :, positions]), salt)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._pending)
@@ -230,14 +243,14 @@ class LLMEngine:
         logits = self.runner.forward(batch, between_layers)
         sampled = [i for i, (seq, n) in enumerate(sched.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
         rows = [self._sampler_row(sched.scheduled[i][0]) for i in sampled]
-        tokens, logprobs = sample(logits[np.asarray(sampled, dtype=np.int64)], rows) if rows else ([], [])
-        dead = [sched.scheduled[i][0] for i, token in zip(sampled, tokens) if token == NO_TOKEN]
+        picks = sample(logits[np.asarray(sampled, dtype=np.int64)], rows) if rows else []
+        dead = [sched.scheduled[i][0] for i, pick in zip(sampled, picks) if pick.token == NO_TOKEN]
         outputs = []
-        for seq, token, logprob in self.scheduler.update_from_output(
-                sched, {i: sample for i, sample in zip(sampled, zip(tokens, logprobs)) if sample[0] != NO_TOKEN}):
+        for seq, pick in self.scheduler.update_from_output(
+                sched, {i: pick for i, pick in zip(sampled, picks) if pick.token != NO_TOKEN}):
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
-            outputs.append(RequestOutput.of(seq, [token], [logprob]))
+            outputs.append(RequestOutput.of(seq, [pick]))
         return outputs + [self._fail(seq, InvalidRequestError(
             GUIDE_FIELD, f"no token is allowed after {len(seq.output_token_ids)} output tokens (the guide, "
                          "min_tokens and bad_words leave none)")) for seq in dead]

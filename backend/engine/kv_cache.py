@@ -6,7 +6,9 @@ by the runner (each runtime owns its memory); this module decides which block ho
 Prefix caching follows vLLM v1: a full block is named by a hash chained over all tokens up to and
 including it, so equal hashes mean equal prefixes. A block whose ref count drops to 0 keeps its
 hash and sits in the free queue; a later request with the same prefix takes it back (O(1) removal
-from the queue), and allocation evicts from the queue head, least recently freed first.
+from the queue), and allocation evicts from the queue head, least recently freed first. A sequence's
+`cache_salt` (vLLM's) enters the first block's hash, so only sequences with the same salt share blocks: the
+engine salts by tenant (`prefix_cache_scope`) and by the request's own `cache_salt`.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ def chain_hash(parent: bytes, block_tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = ()) -> list[bytes]:
-    """The chained hash of every full block of `token_ids`, extending the `known` leading ones."""
+def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = (),
+                 salt: str | None = None) -> list[bytes]:
+    """The chained hash of every full block of `token_ids`, extending the `known` leading ones; the first block's
+    parent is the salt's digest (none: b"")."""
     hashes = list(known)
+    root = b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest()
     for i in range(len(hashes), len(token_ids) // block_size):
-        hashes.append(chain_hash(hashes[i - 1] if i else b"", token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(chain_hash(hashes[i - 1] if i else root, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
 
@@ -109,13 +114,13 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def register(self, block_id: int, block_hash: bytes, parent_hash: bytes | None,
-                 token_ids: list[int]) -> None:
+                 token_ids: list[int], salt: str | None = None) -> None:
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
             if self.events is not None:
-                self.events.append(BlockStored(block_hash, parent_hash, tuple(token_ids)))
+                self.events.append(BlockStored(block_hash, parent_hash, tuple(token_ids), salt))
 
 
 @dataclass
@@ -160,7 +165,7 @@ class KVCacheManager:
 
     def _update_hashes(self, seq: Sequence) -> None:
         if len(seq.block_hashes) < seq.num_tokens // self.block_size:
-            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.cache_salt)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has no blocks yet.
@@ -218,16 +223,17 @@ class KVCacheManager:
         bs, tokens = self.block_size, seq.token_ids
         for i in range(start, end):
             self.pool.register(seq.block_ids[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None,
-                               tokens[i * bs:(i + 1) * bs])
+                               tokens[i * bs:(i + 1) * bs], seq.cache_salt)
         self._num_registered[seq.request_id] = max(start, end)
 
-    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> list[int]:
         """The blocks holding the longest cached run of `token_ids`' full blocks, from the start."""
         if not self.enable_prefix_caching:
             return []
-        return self._cached_run(block_hashes(token_ids, self.block_size))
+        return self._cached_run(block_hashes(token_ids, self.block_size, salt=salt))
 
-    def import_prefix(self, token_ids: list[int], write: Callable[[list[int], list[int]], None]) -> int:
+    def import_prefix(self, token_ids: list[int], write: Callable[[list[int], list[int]], None],
+                      salt: str | None = None) -> int:
         """Enter the full blocks of `token_ids`, computed elsewhere, into the prefix cache. Blocks already
         cached stay; the others are taken from the pool (as many as fit, from the start: a gap would cut the
         chain), filled by `write(positions, block_ids)` and registered (KV events record them). No block stays
@@ -235,7 +241,7 @@ class KVCacheManager:
         cached from the start."""
         if not self.enable_prefix_caching:
             return 0
-        bs, hashes = self.block_size, block_hashes(token_ids, self.block_size)
+        bs, hashes = self.block_size, block_hashes(token_ids, self.block_size, salt=salt)
         cached = [self.pool.lookup(h) for h in hashes]
         held = [b for b in cached if b is not None]
         self.pool.touch(held)  # so that taking new blocks cannot evict them
@@ -247,7 +253,8 @@ class KVCacheManager:
         if missing:
             write(missing, new)
         for i, block_id in zip(missing, new):
-            self.pool.register(block_id, hashes[i], hashes[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
+            self.pool.register(block_id, hashes[i], hashes[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs],
+                               salt)
         self.pool.release(held + new)
         return len(hashes)
 

@@ -16,6 +16,7 @@ class BlockStored:
     block_hash: bytes
     parent_hash: bytes | None  # None: the first block of a sequence
     token_ids: tuple[int, ...]
+    cache_salt: str | None = None  # the salt in the first block's hash (kv_cache.block_hashes)
 
 
 @dataclass(frozen=True)

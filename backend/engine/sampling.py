@@ -3,7 +3,8 @@
 Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own
 `torch.Generator`, so a request with a seed yields the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (log_softmax of the logits before
-a guide's mask, penalties and temperature), as vLLM and TensorRT-LLM report them by default.
+a guide's mask, penalties and temperature), as vLLM and TensorRT-LLM report them by default; a row with
+`top_logprobs` N also gets that distribution's N likeliest (token id, logprob) pairs, likeliest first.
 
 Order per row, as in vLLM: a guide's mask (guided_decoding.py), penalties, banned ids, temperature, min_p,
 top-k, top-p, then the draw.
@@ -19,6 +20,7 @@ from backend.engine.errors import InvalidRequestError
 from backend.engine.guided_decoding import GrammarState, Guide, apply_masks
 
 NO_TOKEN = -1  # sample()'s token for a guided row that allows none (its grammar, min_tokens and bad words)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # report the N likeliest tokens of each step, with their logprobs; 0: off
     guided: Guide | None = None
 
     def validate(self, vocab_size: int) -> None:
@@ -52,6 +55,8 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.repetition_penalty <= 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name, ids in (("stop_token_ids", self.stop_token_ids),
@@ -99,6 +104,16 @@ class SamplingState:
 
 
 @dataclass
+class Sampled:
+    """sample()'s pick for one row: the token (NO_TOKEN for a guided row that allows none), its logprob when the row
+    asks for `logprobs`, and its `top_logprobs` likeliest (token id, logprob) pairs, likeliest first (else empty)."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class SamplerRow:
     """What the sampler needs to know about one sequence this step."""
 
@@ -138,11 +153,24 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[float | None]]:
-    """Pick one token per row of `logits` [S, V] (float32). Returns token ids (NO_TOKEN for a guided row that
-    allows none) and their logprobs."""
+def _top_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], rows: list[SamplerRow]
+                  ) -> list[list[tuple[int, float]]]:
+    """Each row's `top_logprobs` likeliest (token id, logprob) pairs: one topk over the rows that ask."""
+    asking = [i for i, (t, r) in enumerate(zip(tokens, rows)) if r.params.top_logprobs and t != NO_TOKEN]
+    tops: list[list[tuple[int, float]]] = [[] for _ in rows]
+    if asking:
+        k = min(max(rows[i].params.top_logprobs for i in asking), raw_logprobs.shape[-1])
+        values, ids = torch.topk(raw_logprobs[asking], k, dim=-1)
+        for i, row_ids, row_values in zip(asking, ids.tolist(), values.tolist()):
+            n = rows[i].params.top_logprobs
+            tops[i] = list(zip(row_ids[:n], row_values[:n]))
+    return tops
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
+    """Pick one token per row of `logits` [S, V] (float32), with the logprobs each row asks for."""
     logits = logits.float()
-    want_logprobs = any(r.params.logprobs for r in rows)
+    want_logprobs = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = logits
     guided = {i: r.state.grammar for i, r in enumerate(rows) if r.state.grammar is not None}
@@ -170,6 +198,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], lis
         # Exponential race == multinomial draw, one generator call per row and step.
         noise = torch.empty_like(probs).exponential_(generator=row.state.generator)
         tokens[i] = int((probs / noise).argmax())
-    logprobs = [float(raw_logprobs[i, t]) if r.params.logprobs and t != NO_TOKEN else None
-                for i, (t, r) in enumerate(zip(tokens, rows))] if raw_logprobs is not None else [None] * len(rows)
-    return tokens, logprobs
+    if raw_logprobs is None:
+        return [Sampled(t) for t in tokens]
+    return [Sampled(t, float(raw_logprobs[i, t]) if r.params.logprobs and t != NO_TOKEN else None, top)
+            for i, (t, r, top) in enumerate(zip(tokens, rows, _top_logprobs(raw_logprobs, tokens, rows)))]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from backend.engine.config import SchedulerConfig, TenantQuota
 from backend.engine.errors import QueueFullError
 from backend.engine.kv_cache import KVCacheManager
+from backend.engine.sampling import Sampled
 from backend.engine.sequence import FinishReason, Sequence, Status
 
 
@@ -288,26 +289,27 @@ class Scheduler:
 
     # -- after the step ---------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, tuple[int, float | None]]
-                           ) -> list[tuple[Sequence, int, float | None]]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, Sampled]
+                           ) -> list[tuple[Sequence, Sampled]]:
         """The one place that changes state after a forward: each scheduled sequence's computed tokens
-        advance, its newly full blocks enter the prefix cache; `sampled` (batch index -> token, logprob)
+        advance, its newly full blocks enter the prefix cache; `sampled` (batch index -> the sampler's pick)
         tokens are appended, finish rules are applied and finished sequences are freed. Returns the
-        sequences that got a token, with it, in batch order."""
+        sequences that got a token, with its pick, in batch order."""
         appended = []
         for i, (seq, n) in enumerate(output.scheduled):
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)
             if i not in sampled:
                 continue
-            token, logprob = sampled[i]
+            pick = sampled[i]
+            token = pick.token
             seq.output_token_ids.append(token)
             if seq.sampling_state.grammar is not None:
                 seq.sampling_state.grammar.accept(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
-            appended.append((seq, token, logprob))
+            appended.append((seq, pick))
         return appended
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

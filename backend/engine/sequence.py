@@ -36,6 +36,7 @@ class Sequence:
     arrival_index: int  # global FCFS order; preemption keeps it, so a preempted sequence resumes first
     priority: int = 0  # lower value = served first (vLLM's convention)
     tenant: str | None = None
+    cache_salt: str | None = None  # in its first block's hash: only sequences with the same salt share KV blocks
     sampling_state: SamplingState = field(default_factory=SamplingState)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

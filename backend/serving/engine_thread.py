@@ -258,8 +258,9 @@ class EngineLoop:
         req = sub.request
         try:
             if req.kv is not None:  # a remote prefill's blocks: the request finds them as cached prefix
-                self.engine.import_kv(req.prompt_token_ids, req.kv)
-            self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant)
+                self.engine.import_kv(req.prompt_token_ids, req.kv, self.engine.cache_salt(req.tenant, req.cache_salt))
+            self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant,
+                                    req.cache_salt)
         except Exception as err:  # noqa: BLE001 - invalid or overloaded: this request's error
             reason = "overloaded" if isinstance(err, QueueFullError) else "invalid"
             self._queue(functools.partial(self.observer.on_refused, reason), FIRST)
@@ -305,7 +306,8 @@ class EngineLoop:
                                           out.num_output_tokens), lane)
             if sub.on_kv_export is not None and out.finish_reason != FinishReason.CANCELLED.value:
                 # now, before any later step can evict the prompt's blocks from the prefix cache
-                kv = self.engine.export_kv(sub.request.prompt_token_ids)
+                req = sub.request
+                kv = self.engine.export_kv(req.prompt_token_ids, self.engine.cache_salt(req.tenant, req.cache_salt))
                 self._queue(functools.partial(sub.on_kv_export, kv), lane)
         self._queue(functools.partial(self._emit, sub, out), lane)
 

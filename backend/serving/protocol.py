@@ -102,12 +102,16 @@ INPUTS: tuple[TensorSpec, ...] = (
     _input("seed", "TYPE_UINT64", (1,), "same seed, same tokens, whatever the batch"),
     _input("ignore_eos", "TYPE_BOOL", (1,), "do not stop at the model's EOS (end_id still stops)"),
     _input("return_log_probs", "TYPE_BOOL", (1,), "send output_log_probs and cum_log_probs"),
+    _input("top_logprobs", "TYPE_INT32", (1,), "send the N likeliest tokens of each step and their logprobs "
+                                               "(output_top_logprob_ids, output_top_logprobs), N in [0, 20]; 0: off"),
     _input("exclude_input_in_output", "TYPE_BOOL", (1,), "leave the prompt out of a non-streamed output"),
     _input("return_num_input_tokens", "TYPE_BOOL", (1,), "send num_input_tokens"),
     _input("return_num_output_tokens", "TYPE_BOOL", (1,), "send num_output_tokens"),
     _input("return_finish_reason", "TYPE_BOOL", (1,), "send finish_reason"),
     _input("priority", "TYPE_INT32", (1,), "lower is served first"),
     _input("tenant", "TYPE_STRING", (1,), "the tenant whose quota the request counts against; empty: none"),
+    _input("cache_salt", "TYPE_STRING", (1,), "only requests with the same salt (and tenant) share cached prompt "
+                                              "blocks (vLLM's); empty: none"),
     _input("timeout_ms", "TYPE_INT32", (1,), "end the request this long after it arrived, finish reason "
                                              "`timeout`, with what it generated so far; 0: no deadline"),
     _input("min_p", "TYPE_FP32", (1,), "drop tokens below min_p x the likeliest token's probability, in [0, 1]; "
@@ -130,6 +134,10 @@ OUTPUTS: tuple[TensorSpec, ...] = (
                "the text of output_ids, UTF-8 (from the llm: when the request gave text_input)"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), _BOTH, "logprob of each new token (return_log_probs)"),
     TensorSpec("cum_log_probs", "TYPE_FP32", (1,), _BOTH, "sum of the logprobs so far (return_log_probs)"),
+    TensorSpec("output_top_logprobs", "TYPE_FP32", (-1,), _BOTH,
+               "top_logprobs logprobs per new token, likeliest first, flattened (top_logprobs)"),
+    TensorSpec("output_top_logprob_ids", "TYPE_INT32", (-1,), _BOTH,
+               "the token ids of output_top_logprobs (top_logprobs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (1,), _BOTH, "prompt tokens (return_num_input_tokens)"),
     TensorSpec("num_output_tokens", "TYPE_INT32", (1,), _BOTH, "tokens generated (return_num_output_tokens)"),
     TensorSpec("finish_reason", "TYPE_STRING", (1,), _BOTH,

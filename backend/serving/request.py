@@ -35,7 +35,7 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 # at the cost of every other request: the most entries of a list input and the most characters of one string
 # (1 Mi characters of text_input is some 250k tokens of English, more than any context served here).
 MAX_ENTRIES = {"stop_words": 256, "bad_words": 256}
-MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096,
+MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096, "cache_salt": 4096,
              "guided_decoding_guide": 1 << 18}
 # The fields the engine names in its errors (LLMEngine.add_request, SamplingParams.validate) -> the inputs
 # that set them in parse_request, so that an error names what the client sent, on every front door.
@@ -52,6 +52,7 @@ class GenerationRequest:
     stop: bool = False  # TensorRT-LLM's cancel: stop the earlier request with the same request id
     priority: int = 0
     tenant: str | None = None
+    cache_salt: str | None = None  # only requests with the same salt (and tenant) share cached prompt blocks
     stop_strings: list[str] = field(default_factory=list)
     exclude_input_in_output: bool = True
     return_num_input_tokens: bool = False
@@ -144,8 +145,9 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         given.setdefault("min_tokens", given.pop("min_length"))
     if "stop_words" in given:
         given["stop_strings"] = given.pop("stop_words")
-    if "tenant" in given:
-        given["tenant"] = given["tenant"] or None
+    for name in ("tenant", "cache_salt"):
+        if name in given:
+            given[name] = given[name] or None
     if given.get("timeout_ms", 0) < 0:
         raise InvalidRequestError("timeout_ms", f"must be >= 0 (0: no deadline), got {given['timeout_ms']}")
     guide_type, guide = given.pop("guided_decoding_guide_type", None), given.pop("guided_decoding_guide", "")

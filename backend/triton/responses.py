@@ -36,6 +36,7 @@ class ResponseBuilder:
     tokenizer: PreTrainedTokenizerBase | None = None  # for text_output (requests that came as text)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     sent: int = 0
     detokenizer: IncrementalDetokenizer | None = field(default=None, init=False)
 
@@ -47,11 +48,12 @@ class ResponseBuilder:
         """Tensors for the response to send now, or None when this output is held (not streaming)."""
         self.output_ids += out.new_token_ids
         self.logprobs += [lp if lp is not None else 0.0 for lp in out.new_logprobs]
+        self.top_logprobs += out.new_top_logprobs
         req = self.request
         if not req.stream and not out.finished:
             return None
         new, context = self.output_ids[self.sent:], context_before(self.output_ids, self.sent)
-        new_logprobs = self.logprobs[self.sent:]
+        new_logprobs, new_top = self.logprobs[self.sent:], self.top_logprobs[self.sent:]
         self.sent = len(self.output_ids)
         if not req.stream and not req.exclude_input_in_output:
             new, context = req.prompt_token_ids + new, []
@@ -59,6 +61,9 @@ class ResponseBuilder:
         if req.params.logprobs:
             tensors["output_log_probs"] = _row(new_logprobs, np.float32)
             tensors["cum_log_probs"] = _row([sum(self.logprobs)], np.float32)
+        if req.params.top_logprobs:  # top_logprobs entries per new token, flattened
+            tensors["output_top_logprobs"] = _row([lp for top in new_top for _, lp in top], np.float32)
+            tensors["output_top_logprob_ids"] = _row([t for top in new_top for t, _ in top], np.int32)
         if req.return_num_input_tokens:
             tensors["num_input_tokens"] = _row([out.num_prompt_tokens], np.int32)
         if req.return_num_output_tokens:

@@ -21,7 +21,8 @@ from backend.triton.glue import (error_response, forwarded_error, model_paramete
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
-PASSTHROUGH = ("output_log_probs", "cum_log_probs", "num_input_tokens", "num_output_tokens", "finish_reason")
+PASSTHROUGH = ("output_log_probs", "cum_log_probs", "output_top_logprobs", "output_top_logprob_ids",
+               "num_input_tokens", "num_output_tokens", "finish_reason")
 RETIRE_S = 10.0  # how long a finished BLS stream stays referenced here (see _retire)
 
 
