@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo aiperf
+.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo aiperf prometheus-env
 
 $(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,12 @@ venv: $(STAMP)
 model: venv
 	$(BIN)/python -m backend.serving.model_store
 
-test: model dynamo-venv
+test: model dynamo-venv prometheus-env
 	$(BIN)/python -m pytest -q
+
+# Debian's prometheus (tests/test_dashboard.py scrapes a test server with it); apt-get, as root, when missing
+prometheus-env:
+	bash scripts/prometheus_env.sh
 
 test-slow: model
 	$(BIN)/python -m pytest -q -m slow
