@@ -242,9 +242,11 @@ def test_a_guide_that_does_not_compile_ends_its_request_with_an_error_and_the_ne
     assert run(engine, [SamplingParams(max_tokens=3, ignore_eos=True)])[0][1] == "length"
 
 
-def test_a_row_with_no_allowed_token_is_an_error_for_that_request_only(engine):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_with_no_allowed_token_is_an_error_for_that_request_only(engine, temperature):
     """min_tokens past where the grammar must end: after "ok" only a stop id fits, and min_tokens bans it."""
-    engine.add_request("dead", PROMPT, SamplingParams(max_tokens=10, min_tokens=8, guided=Guide("choice", '["ok"]')))
+    engine.add_request("dead", PROMPT, SamplingParams(max_tokens=10, min_tokens=8, temperature=temperature, top_p=0.9,
+                                                      seed=1, guided=Guide("choice", '["ok"]')))
     engine.add_request("fine", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
     finals = {}
     while engine.has_unfinished():

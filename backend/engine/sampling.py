@@ -184,13 +184,8 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
             if row.banned_ids:
                 processed[i, row.banned_ids] = float("-inf")
     tokens = processed.argmax(dim=-1).tolist()
-    rows_guided = list(guided)
-    dead = {rows_guided[j] for j in torch.isneginf(processed[rows_guided]).all(dim=-1).nonzero().flatten().tolist()}
     for i, row in enumerate(rows):
         p = row.params
-        if i in dead:
-            tokens[i] = NO_TOKEN
-            continue
         if p.greedy:
             continue
         scaled = _filter(processed[i] / p.temperature, p)
@@ -198,6 +193,11 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         # Exponential race == multinomial draw, one generator call per row and step.
         noise = torch.empty_like(probs).exponential_(generator=row.state.generator)
         tokens[i] = int((probs / noise).argmax())
+    if guided:  # a row whose every token is masked or banned picks one at -inf: it has none
+        picked = processed[list(guided), [tokens[i] for i in guided]]
+        for i, value in zip(guided, picked.tolist()):
+            if value == float("-inf"):
+                tokens[i] = NO_TOKEN
     if raw_logprobs is None:
         return [Sampled(t) for t in tokens]
     return [Sampled(t, float(raw_logprobs[i, t]) if r.params.logprobs and t != NO_TOKEN else None, top)
