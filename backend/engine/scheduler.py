@@ -69,7 +69,7 @@ class Scheduler:
         free_slots = max(0, self.config.max_num_seqs - len(self.running))
         if len(self.waiting) >= self.config.max_waiting + free_slots:
             raise QueueFullError(f"overloaded: {len(self.waiting)} requests waiting (max_waiting "
-                                 f"{self.config.max_waiting})")
+                                 f"{self.config.max_waiting} beyond {free_slots} free running slots)")
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
