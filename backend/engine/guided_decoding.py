@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,7 +145,10 @@ class GrammarCompiler:
 
 
 def _one_line(error: object) -> str:
-    return " ".join(str(error).split())[:400]
+    """The library's message on one line, without its references to our generated grammar (`at 2(8): `,
+    `  2 | start: ...`, `^`)."""
+    lines = [line for line in str(error).splitlines() if not re.match(r"\s*(\d+ \||\^\s*$)", line)]
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(" ".join(lines).split()))[:400]
 
 
 class GrammarState:
