@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--min-p", type=float)
+    p.add_argument("-n", type=int, default=1, help="samples of the prompt (printed one by one at the end when > 1)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt with the model's chat template (default on)")
     guide = p.add_mutually_exclusive_group()
@@ -53,17 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(max_tokens=args.max_tokens, stream=args.stream, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_words=args.stop,
                    apply_chat_template=args.chat_template, exclude_input_in_output=True, return_num_output_tokens=True,
-                   return_finish_reason=True, **guided_inputs(args))
+                   return_finish_reason=True, num_return_sequences=args.n if args.n > 1 else None,
+                   **guided_inputs(args))
     client = LLMClient(args.url, args.model)
     start = time.monotonic()
-    times, outputs = [], {}
+    times, outputs, samples = [], {}, {}
     chunks = client.stream(args.prompt, **options)
     try:
         for chunk in chunks:
-            if chunk.text:
+            if chunk.text and args.n > 1:
+                index = int(chunk.outputs["sequence_index"].reshape(-1)[0])
+                samples[index] = samples.get(index, "") + chunk.text
+            elif chunk.text:
                 print(chunk.text, end="", flush=True)
+            if chunk.text:
                 times.append(chunk.time)
             outputs.update(chunk.outputs)
+        for index in sorted(samples):
+            print(f"[{index}] {samples[index]}")
     except KeyboardInterrupt:
         chunks.close()  # sends the `stop` for this request
         print("\n[cancelled]", file=sys.stderr)

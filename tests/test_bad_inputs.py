@@ -54,6 +54,7 @@ OUT_OF_RANGE = {
     "repetition_penalty": (0.0, -1.0),  # > 0
     "timeout_ms": (-1,),
     "min_p": (-0.1, 1.5),  # in [0, 1]
+    "num_return_sequences": (0, 17),  # in [1, 16]
     "top_logprobs": (-1, 21),  # in [0, 20]
 }
 # ... and the numeric inputs that take any value of their datatype (finite, for FP32).

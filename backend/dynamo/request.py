@@ -24,6 +24,9 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "s
             "frequency_penalty": "frequency_penalty", "min_p": "min_p"}
 # sampling options the engine does not implement, with the value that means "off"
 REFUSED = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0}
+# The engine serves n samples (the Triton doors' num_return_sequences), but Dynamo 1.6.1's frontend, given a
+# token-in worker's chunks with several indices, ends the response at the first sample's finish_reason (seen).
+REFUSED_WHY = {"n": "n > 1 is served on the Triton doors (num_return_sequences), not through Dynamo's frontend"}
 # guided_decoding's keys (Dynamo's frontend fills them from response_format and vLLM's guided_* fields) -> Guide type
 GUIDES = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar"}
 
@@ -58,7 +61,7 @@ def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...
             params[SAMPLING[key]] = 0 if key == "top_k" and value == -1 else value  # -1: vLLM's "off"
         elif key in REFUSED:
             if value != REFUSED[key]:
-                raise InvalidRequestError(key, f"not supported by this engine (got {value!r})")
+                raise InvalidRequestError(key, REFUSED_WHY.get(key, "not supported by this engine") + f" (got {value!r})")
         # other keys (e.g. include_stop_str_in_output) concern the frontend's text, not the engine
     if stop.get("max_thinking_tokens") is not None:
         raise InvalidRequestError("max_thinking_tokens", "not supported by this engine")

@@ -7,6 +7,7 @@ engine_thread.py) hand requests to the thread that calls `step()`. Every state c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import FIRST_COMPLETED, wait
 from collections.abc import Callable
@@ -42,15 +43,18 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # of the prompt, reused from the prefix cache (OpenAI's usage.cached_tokens)
     error: Exception | None = None  # with finish_reason "error": the request's error, for its front door
+    index: int = 0  # the sample (n > 1)
+    request_finished: bool = False  # the request's last sample has finished (`finished` with n = 1)
 
     @classmethod
-    def of(cls, seq: Sequence, picks: list[Sampled]) -> RequestOutput:
-        return cls(request_id=seq.request_id, new_token_ids=[p.token for p in picks],
+    def of(cls, seq: Sequence, picks: list[Sampled], request_finished: bool = False) -> RequestOutput:
+        return cls(request_id=seq.sample_of or seq.request_id, new_token_ids=[p.token for p in picks],
                    new_logprobs=[p.logprob for p in picks], new_top_logprobs=[p.top_logprobs for p in picks],
                    finished=seq.finish_reason is not None,
                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                    num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
-                   num_cached_tokens=seq.num_cached_tokens, error=seq.error)
+                   num_cached_tokens=seq.num_cached_tokens, error=seq.error, index=seq.index,
+                   request_finished=request_finished)
 
 
 @dataclass
@@ -92,6 +96,7 @@ class LLMEngine:
         self._in_step = False  # a step's forward is in flight (cut_in is allowed)
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._compiling: dict[str, Sequence] = {}  # guided requests whose grammar has not compiled yet
+        self._samples: dict[str, set[str]] = {}  # request id -> its unfinished samples' ids (requests with n > 1)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -102,7 +107,7 @@ class LLMEngine:
         KV blocks only with requests of the same `cache_salt` (and tenant, by `prefix_cache_scope`)."""
         params = sampling_params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
-        if request_id in self.requests:
+        if self.has_request(request_id):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         if not prompt:
             raise InvalidRequestError("prompt_token_ids", "the prompt is empty")
@@ -120,6 +125,27 @@ class LLMEngine:
         if quota and quota.max_blocks is not None and \
                 self.kv.blocks_for(len(prompt) + params.max_tokens) > quota.max_blocks:
             raise InvalidRequestError("max_tokens", f"prompt + max_tokens exceed tenant {tenant!r}'s KV quota")
+        salt = self.cache_salt(tenant, cache_salt)
+        if params.n == 1:
+            self._add_sequence(request_id, prompt, params, priority, tenant, salt)
+            return
+        # n samples, each a sequence; the first computes the prompt, the others wait for it and take its blocks
+        # from the prefix cache. Sample i's seed is seed + i (vLLM's rule): each is reproducible alone.
+        ids, leader = [f"{request_id}/{i}" for i in range(params.n)], None
+        try:
+            for i, sample_id in enumerate(ids):
+                sample = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                seq = self._add_sequence(sample_id, prompt, sample, priority, tenant, salt, sample_of=request_id,
+                                         index=i, prefill_leader=leader)
+                leader = leader or seq
+        except Exception:
+            for sample_id in ids[:i]:  # all or none
+                self.finish(sample_id, FinishReason.CANCELLED)
+            raise
+        self._samples[request_id] = set(ids)
+
+    def _add_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                      tenant: str | None, salt: str | None, **sample) -> Sequence:
         state = SamplingState.create(params)
         if params.guided is not None:
             state.grammar = GrammarState(self.grammars, self.grammars.compile(params.guided),
@@ -128,12 +154,21 @@ class LLMEngine:
                 raise InvalidRequestError(err.field, err.reason) if isinstance(err, InvalidRequestError) else \
                     RuntimeError(f"guided decoding failed: {err!r}")
         seq = Sequence(request_id, prompt, params, arrival_index=self._arrivals, priority=priority, tenant=tenant,
-                       sampling_state=state, cache_salt=self.cache_salt(tenant, cache_salt))
+                       sampling_state=state, cache_salt=salt, **sample)
         self.scheduler.add(seq)
         if state.grammar is not None and not state.grammar.done:
             self._compiling[request_id] = seq
         self._arrivals += 1
         self.requests[request_id] = seq
+        return seq
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request (a sequence, or a request of n samples) has not finished."""
+        return request_id in self.requests or request_id in self._samples
+
+    def sample_id(self, request_id: str, index: int) -> str:
+        """The engine id of sample `index` of a request (the request's own id when it has one sample)."""
+        return f"{request_id}/{index}" if request_id in self._samples else request_id
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -149,18 +184,34 @@ class LLMEngine:
         return ids or self.model_config.eos_token_ids
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: its blocks are freed now, its final output comes with the next step()."""
-        self._pending.append(self.finish(request_id, FinishReason.CANCELLED))
+        """Cancel a request (all its samples): its blocks are freed now, its final outputs come with the next
+        step()."""
+        self._pending += self.end(request_id, FinishReason.CANCELLED)
+
+    def end(self, request_id: str, reason: FinishReason) -> list[RequestOutput]:
+        """End a request now, all its samples; their final outputs (with no new tokens), which the caller reports."""
+        return [self.finish(sample_id, reason) for sample_id in sorted(self._samples.get(request_id, [request_id]))]
 
     def finish(self, request_id: str, reason: FinishReason) -> RequestOutput:
-        """End a request now, freeing its blocks; returns its final output (with no new tokens), which the
-        caller reports."""
+        """End a sequence (a request, or one sample of one) now, freeing its blocks; returns its final output (with
+        no new tokens), which the caller reports."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             raise UnknownRequestError(request_id)
         self._compiling.pop(request_id, None)
         self.scheduler.finish(seq, reason)
-        return RequestOutput.of(seq, [])
+        return RequestOutput.of(seq, [], self._last_of_request(seq))
+
+    def _last_of_request(self, seq: Sequence) -> bool:
+        """Called once a sequence has finished (and left `requests`): whether it was its request's last."""
+        samples = self._samples.get(seq.sample_of)
+        if samples is None:
+            return True
+        samples.discard(seq.request_id)
+        if samples:
+            return False
+        del self._samples[seq.sample_of]
+        return True
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         seq.error = error
@@ -248,9 +299,11 @@ class LLMEngine:
         outputs = []
         for seq, pick in self.scheduler.update_from_output(
                 sched, {i: pick for i, pick in zip(sampled, picks) if pick.token != NO_TOKEN}):
+            last = False
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
-            outputs.append(RequestOutput.of(seq, [pick]))
+                last = self._last_of_request(seq)
+            outputs.append(RequestOutput.of(seq, [pick], last))
         return outputs + [self._fail(seq, InvalidRequestError(
             GUIDE_FIELD, f"no token is allowed after {len(seq.output_token_ids)} output tokens (the guide, "
                          "min_tokens and bad_words leave none)")) for seq in dead]

@@ -21,6 +21,7 @@ from backend.engine.guided_decoding import GrammarState, Guide, apply_masks
 
 NO_TOKEN = -1  # sample()'s token for a guided row that allows none (its grammar, min_tokens and bad words)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_SAMPLES = 16  # n: samples of one request
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # report the N likeliest tokens of each step, with their logprobs; 0: off
+    n: int = 1  # samples of the prompt, each its own sequence (sample i's seed: seed + i)
     guided: Guide | None = None
 
     def validate(self, vocab_size: int) -> None:
@@ -55,6 +57,8 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise InvalidRequestError("n", f"must be in [1, {MAX_SAMPLES}], got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.repetition_penalty <= 0:

@@ -117,9 +117,10 @@ class Scheduler:
         """Which waiting sequence to admit next: the best priority class first; within it, the tenant with the
         fewest running sequences (requests without a tenant are one tenant), then the one with the fewest waiting,
         then FCFS. So a tenant that floods the queue shares the batch with the others instead of filling it, with
-        no quota set, and a light tenant goes before a burst that arrived with it. Sequences whose grammar is still
-        compiling wait on (guided_decoding.py); None when no other waits."""
-        ready = [(i, s) for i, s in enumerate(self.waiting) if s.sampling_state.ready]
+        no quota set, and a light tenant goes before a burst that arrived with it. Sequences that may not start yet
+        wait on (a guide still compiling, a sample whose prompt another sample is computing); None when no other
+        waits."""
+        ready = [(i, s) for i, s in enumerate(self.waiting) if s.may_start]
         if not ready:
             return None
         best = ready[0][1].priority

@@ -37,6 +37,9 @@ class Sequence:
     priority: int = 0  # lower value = served first (vLLM's convention)
     tenant: str | None = None
     cache_salt: str | None = None  # in its first block's hash: only sequences with the same salt share KV blocks
+    sample_of: str | None = None  # the request's id when it has n > 1 samples (this one's id is `<that>/<index>`)
+    index: int = 0  # which sample of its request
+    prefill_leader: "Sequence | None" = None  # the sample that computes the shared prompt first (n > 1)
     sampling_state: SamplingState = field(default_factory=SamplingState)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,6 +61,14 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def may_start(self) -> bool:
+        """Its guide, if any, has compiled, and the sample that prefills its request's prompt (n > 1) has done so
+        (or ended): this one then takes the prompt's full blocks from the prefix cache."""
+        lead = self.prefill_leader
+        return self.sampling_state.ready and (lead is None or lead.status is Status.FINISHED
+                                              or lead.num_computed_tokens >= len(lead.prompt_token_ids))
 
     def order_key(self) -> tuple[int, int]:
         """Scheduling order: priority class first, then arrival (FCFS within a class)."""

@@ -68,7 +68,7 @@ class Submission:
     submitted_at: float = field(default_factory=time.monotonic)
     engine_id: str = ""
     last_token_at: float | None = None  # for the inter-token latency metric
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # per sample, for stop strings
     # a prefill worker's hook: called (output thread) with the prompt's K/V before the final output
     on_kv_export: Callable[[ExportedKV], None] | None = None
 
@@ -250,7 +250,7 @@ class EngineLoop:
     def _abort(self, engine_id: str) -> None:
         """Abort once: a client's cancel, a `stop` and a failed send may all name the same request, and an
         aborted request stays active until the next step delivers its final output."""
-        if engine_id in self.engine.requests:
+        if self.engine.has_request(engine_id):
             self.engine.abort(engine_id)
 
     def _admit(self, sub: Submission) -> None:
@@ -266,8 +266,6 @@ class EngineLoop:
             self._queue(functools.partial(self.observer.on_refused, reason), FIRST)
             self._queue(functools.partial(_safe_fail, sub, err), FIRST)
             return
-        if req.stop_strings:
-            sub.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self._active[sub.engine_id] = sub
 
     def _poll_cancellations(self) -> None:
@@ -277,8 +275,9 @@ class EngineLoop:
             if sub.is_cancelled():
                 self._abort(sub.engine_id)
             elif sub.request.timeout_ms and now - sub.submitted_at >= sub.request.timeout_ms / 1e3 \
-                    and sub.engine_id in self.engine.requests:
-                self._dispatch(self.engine.finish(sub.engine_id, FinishReason.TIMEOUT))
+                    and self.engine.has_request(sub.engine_id):
+                for out in self.engine.end(sub.engine_id, FinishReason.TIMEOUT):
+                    self._dispatch(out)
 
     def _dispatch(self, out: RequestOutput) -> None:
         sub = self._active.get(out.request_id)
@@ -287,12 +286,14 @@ class EngineLoop:
         lane = FIRST if sub.last_token_at is None else REST
         if out.error is not None:  # failed after admission (guided_decoding.py): an error, as a refusal is
             del self._active[out.request_id]
+            self._abort(out.request_id)  # its other samples
             self._queue(functools.partial(self.observer.on_refused, "invalid"), lane)
             self._queue(functools.partial(_safe_fail, sub, out.error), lane)
             return
-        if sub.detokenizer is not None and not out.finished and self._hits_stop_string(sub, out):
-            final = self.engine.finish(sub.engine_id, FinishReason.STOP)
-            out = dataclasses.replace(out, finished=True, finish_reason=final.finish_reason)
+        if sub.request.stop_strings and not out.finished and self._hits_stop_string(sub, out):
+            final = self.engine.finish(self.engine.sample_id(sub.engine_id, out.index), FinishReason.STOP)
+            out = dataclasses.replace(out, finished=True, finish_reason=final.finish_reason,
+                                      request_finished=final.request_finished)
         now = time.monotonic()
         if out.new_token_ids:
             if sub.last_token_at is None:
@@ -301,9 +302,10 @@ class EngineLoop:
                 self._queue(functools.partial(self.observer.on_token_interval, now - sub.last_token_at), lane)
             sub.last_token_at = now
         if out.finished:
-            del self._active[out.request_id]
             self._queue(functools.partial(self.observer.on_finished, out.num_prompt_tokens,
                                           out.num_output_tokens), lane)
+        if out.request_finished:
+            del self._active[out.request_id]
             if sub.on_kv_export is not None and out.finish_reason != FinishReason.CANCELLED.value:
                 # now, before any later step can evict the prompt's blocks from the prefix cache
                 req = sub.request
@@ -331,7 +333,7 @@ class EngineLoop:
             sub.emit(out)
         except Exception:  # noqa: BLE001 - e.g. the client is gone: drop the request, keep serving
             LOG.exception("sending output of %s failed; aborting it", sub.engine_id)
-            if not out.finished:
+            if not out.request_finished:
                 self._inbox.put(("abort", sub.engine_id))
 
     def _send_outputs(self) -> None:
@@ -353,9 +355,9 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - an observer's error must not stop the outputs
                 LOG.exception("output thread task failed")
 
-    @staticmethod
-    def _hits_stop_string(sub: Submission, out: RequestOutput) -> bool:
-        detok = sub.detokenizer
+    def _hits_stop_string(self, sub: Submission, out: RequestOutput) -> bool:
+        detok = sub.detokenizers.get(out.index) or sub.detokenizers.setdefault(
+            out.index, IncrementalDetokenizer(self.tokenizer))
         piece = detok.push(out.new_token_ids)
         longest = max(map(len, sub.request.stop_strings))
         window = detok.text[-(len(piece) + longest - 1):] if piece else ""

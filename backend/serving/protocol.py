@@ -102,6 +102,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     _input("seed", "TYPE_UINT64", (1,), "same seed, same tokens, whatever the batch"),
     _input("ignore_eos", "TYPE_BOOL", (1,), "do not stop at the model's EOS (end_id still stops)"),
     _input("return_log_probs", "TYPE_BOOL", (1,), "send output_log_probs and cum_log_probs"),
+    _input("num_return_sequences", "TYPE_INT32", (1,), "samples of the prompt (OpenAI's n), in [1, 16]: each response "
+           "says its sequence_index; the prompt is computed once"),
     _input("top_logprobs", "TYPE_INT32", (1,), "send the N likeliest tokens of each step and their logprobs "
                                                "(output_top_logprob_ids, output_top_logprobs), N in [0, 20]; 0: off"),
     _input("exclude_input_in_output", "TYPE_BOOL", (1,), "leave the prompt out of a non-streamed output"),
@@ -134,6 +136,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
                "the text of output_ids, UTF-8 (from the llm: when the request gave text_input)"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), _BOTH, "logprob of each new token (return_log_probs)"),
     TensorSpec("cum_log_probs", "TYPE_FP32", (1,), _BOTH, "sum of the logprobs so far (return_log_probs)"),
+    TensorSpec("sequence_index", "TYPE_INT32", (1,), _BOTH, "the sample a response is of (num_return_sequences > 1)"),
     TensorSpec("output_top_logprobs", "TYPE_FP32", (-1,), _BOTH,
                "top_logprobs logprobs per new token, likeliest first, flattened (top_logprobs)"),
     TensorSpec("output_top_logprob_ids", "TYPE_INT32", (-1,), _BOTH,

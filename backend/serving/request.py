@@ -41,7 +41,7 @@ MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tena
 # that set them in parse_request, so that an error names what the client sent, on every front door.
 ENGINE_FIELD_INPUTS = {"prompt_token_ids": "input_ids (text_input once tokenized)",
                        "stop_token_ids": "end_id", "bad_words_ids": "bad_words",
-                       "min_tokens": "min_tokens (or min_length)"}
+                       "min_tokens": "min_tokens (or min_length)", "n": "num_return_sequences"}
 
 
 @dataclass
@@ -156,6 +156,8 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
     elif guide:
         raise InvalidRequestError("guided_decoding_guide_type", "missing (the type of guided_decoding_guide)")
     sampling = {name: given.pop(name) for name in SAMPLING_FIELDS if name in given}
+    if "num_return_sequences" in given:
+        sampling["n"] = given.pop("num_return_sequences")
     if "return_log_probs" in given:
         sampling["logprobs"] = given.pop("return_log_probs")
 

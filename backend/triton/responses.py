@@ -6,7 +6,8 @@ Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS 
 `context_ids`, decoded here by one incremental detokenizer per request (the output thread sends each
 request's outputs in order). Streaming sends every step's tokens; otherwise one response at the end, holding
 the prompt too when `exclude_input_in_output` is false. Optional outputs are present only when their
-`return_*` input asked for them.
+`return_*` input asked for them. A request of n > 1 samples (`num_return_sequences`) has one builder per sample
+(`Responses`), each response says its `sequence_index`, and only the last sample's last response is final.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class ResponseBuilder:
             tensors["num_output_tokens"] = _row([out.num_output_tokens], np.int32)
         if req.return_finish_reason:
             tensors["finish_reason"] = _text(out.finish_reason or "")
+        if req.params.n > 1:
+            tensors["sequence_index"] = _row([out.index], np.int32)
         return tensors
 
     def final_empty(self) -> dict[str, np.ndarray]:
@@ -84,3 +87,17 @@ class ResponseBuilder:
         else:
             tensors["text_output"] = _text(self.detokenizer.push(new, final=final))
         return tensors
+
+
+@dataclass
+class Responses:
+    """A request's builders, one per sample: `build` as ResponseBuilder's, for the sample the output is of."""
+
+    first: ResponseBuilder
+    samples: dict[int, ResponseBuilder] = field(default_factory=dict)
+
+    def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+        if out.index not in self.samples:
+            self.samples[out.index] = self.first if not self.samples else ResponseBuilder(self.first.request,
+                                                                                          self.first.tokenizer)
+        return self.samples[out.index].build(out)

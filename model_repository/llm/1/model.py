@@ -13,7 +13,7 @@ from backend.serving.tokenizer import load_tokenizer
 from backend.serving.settings import engine_config_from_settings
 from backend.triton.glue import error_response, model_parameters, read_inputs, requested_outputs, tensors_response
 from backend.triton.metrics import TritonMetrics
-from backend.triton.responses import ResponseBuilder
+from backend.triton.responses import ResponseBuilder, Responses
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -56,11 +56,13 @@ class TritonPythonModel:
     @staticmethod
     def _submission(request, sender, builder: ResponseBuilder) -> Submission:
         requested = requested_outputs(request)
+        responses = Responses(builder)
 
         def emit(out):
-            tensors = builder.build(out)
+            tensors = responses.build(out)
             if tensors is not None:
-                sender.send(tensors_response(pb_utils, tensors, requested), flags=FINAL if out.finished else 0)
+                sender.send(tensors_response(pb_utils, tensors, requested),
+                            flags=FINAL if out.request_finished else 0)
 
         return Submission(client_id=request.request_id(), request=builder.request, emit=emit,
                           fail=lambda err: sender.send(error_response(pb_utils, err), flags=FINAL),

@@ -22,7 +22,7 @@ from backend.triton.glue import (error_response, forwarded_error, model_paramete
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
 PASSTHROUGH = ("output_log_probs", "cum_log_probs", "output_top_logprobs", "output_top_logprob_ids",
-               "num_input_tokens", "num_output_tokens", "finish_reason")
+               "num_input_tokens", "num_output_tokens", "finish_reason", "sequence_index")
 RETIRE_S = 10.0  # how long a finished BLS stream stays referenced here (see _retire)
 
 
@@ -68,7 +68,9 @@ class TritonPythonModel:
                                             requested_output_names=["output_ids", "is_final", *PASSTHROUGH])
         with self.lock:
             self.active.setdefault(client_id, set()).add(llm_id)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        samples = inputs.get("num_return_sequences")
+        unfinished = 1 if samples is None else int(samples.reshape(-1)[0])  # the llm refuses a bad count
+        detokenizers: dict[int, IncrementalDetokenizer] = {}  # one per sample
         cancelled = False
         responses = request.exec(decoupled=True)
         try:
@@ -84,11 +86,15 @@ class TritonPythonModel:
                 if not cancelled and sender.is_cancelled():
                     cancelled = True  # the engine frees the sequence at its next step
                     self._stop(llm_id)
-                final = bool(outs["is_final"].reshape(-1)[0])
-                text = detokenizer.push(outs["output_ids"].reshape(-1).tolist(), final=final)
+                final = bool(outs["is_final"].reshape(-1)[0])  # of its sample
+                index = int(outs["sequence_index"].reshape(-1)[0]) if "sequence_index" in outs else 0
+                if index not in detokenizers:
+                    detokenizers[index] = IncrementalDetokenizer(self.tokenizer)
+                text = detokenizers[index].push(outs["output_ids"].reshape(-1).tolist(), final=final)
+                unfinished -= final
                 if not cancelled:
-                    sender.send(_text_response(text, outs, requested), flags=FINAL if final else 0)
-                if final:
+                    sender.send(_text_response(text, outs, requested), flags=FINAL if unfinished <= 0 else 0)
+                if unfinished <= 0:
                     return
         finally:
             self._retire(request, responses)
