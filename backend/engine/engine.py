@@ -148,8 +148,7 @@ class LLMEngine:
                       tenant: str | None, salt: str | None, **sample) -> Sequence:
         state = SamplingState.create(params)
         if params.guided is not None:
-            state.grammar = GrammarState(self.grammars, self.grammars.compile(params.guided),
-                                         self._grammar_stop_ids(params))
+            state.grammar = GrammarState(self.grammars, self.grammars.compile(params.guided), self._stop_ids(params))
             if (err := state.grammar.error) is not None:  # known bad (compiled before): refused now
                 raise InvalidRequestError(err.field, err.reason) if isinstance(err, InvalidRequestError) else \
                     RuntimeError(f"guided decoding failed: {err!r}")
@@ -177,11 +176,11 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.config.model, self.model_config.vocab_size)
         return self._grammars
 
-    def _grammar_stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """The ids a guided output may end with once its grammar is complete: the request's stop ids (and EOS
-        unless ignored), or the model's EOS where that leaves none."""
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids that end a request's output: its stop ids, and EOS unless ignored. A guided output ends only
+        through them once its guide is complete, or through the model's EOS where they are none."""
         ids = params.stop_token_ids + (() if params.ignore_eos else self.model_config.eos_token_ids)
-        return ids or self.model_config.eos_token_ids
+        return ids or (self.model_config.eos_token_ids if params.guided is not None else ())
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (all its samples): its blocks are freed now, its final outputs come with the next
@@ -314,9 +313,7 @@ class LLMEngine:
         p = seq.params
         banned = []
         if len(seq.output_token_ids) < p.min_tokens:
-            banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.model_config.eos_token_ids))
-            if p.guided is not None:
-                banned += self._grammar_stop_ids(p)
+            banned += self._stop_ids(p)
         tokens = seq.token_ids
         for word in p.bad_words_ids:
             prefix = list(word[:-1])
