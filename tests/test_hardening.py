@@ -10,7 +10,6 @@ import ipaddress
 import itertools
 import json
 import os
-import signal
 import subprocess
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.triton.launcher import ADMIN_HEADER, ADMIN_KEY_ENV, GRPC_ADMIN_HEADER, TritonServer
-from tests.test_launcher import FAST, MODEL, _cli, http_status, make_repository, stream
+from tests.test_launcher import FAST, MODEL, _cli, http_status, make_repository, stop_launcher, stream
 
 # (method, path, body): one call of each restricted API group over HTTP
 ADMIN_CALLS = [
@@ -80,11 +79,7 @@ def launched(server: TritonServer, tmp_path: Path, *options: str) -> Iterator[tu
         (pid,) = map(int, subprocess.run(pgrep, capture_output=True, text=True).stdout.split())
         yield http, printed, pid
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_launcher(proc)
 
 
 @pytest.fixture(scope="module")

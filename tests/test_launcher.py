@@ -170,6 +170,16 @@ def _cli(server: TritonServer, tmp_path: Path, *options: str) -> tuple[subproces
     return proc, http, iter(proc.stdout.readline, "")
 
 
+def stop_launcher(proc: subprocess.Popen) -> None:
+    """Ctrl-C, then a kill if it has not exited within 60 s; for a test's `finally` (a SIGKILLed launcher would
+    leave its tritonserver running)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _interrupt(proc: subprocess.Popen) -> None:
     """Ctrl-C: the launcher stops the server and exits 0."""
     proc.send_signal(signal.SIGINT)

@@ -23,6 +23,7 @@ from backend.triton.repository import configure_repository
 from backend.triton.supervisor import stub_processes
 from client.client import LLMClient
 from tests.conftest import LLM_TEST_SETTINGS, SERVED_MODELS
+from tests.test_launcher import stop_launcher
 
 RECOVERY_S = 60.0  # the bound; a restart of this server takes ~10 s
 
@@ -66,11 +67,7 @@ def launched(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Launched]:
     try:
         yield launched
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_launcher(proc)
 
 
 def _streams_then(launched: Launched, fault, n: int = 4) -> tuple[list[threading.Thread], list[dict], float]:
