@@ -116,8 +116,9 @@ def export_engine_dir(model_dir: str | Path, engine_dir: str | Path, dtype: str,
 
 def sample_batches(vocab_size: int, seed: int = 0) -> tuple[list[ModelInput], int]:
     """Two real steps on shuffled blocks: a prefill of five sequences, then a mixed step (a 24-token
-    chunk over three attention rows, four decodes). In the mixed step every dynamic axis is >= 2 and
-    differs from the others (T28 S5 R7 Q8 B6 P52 N19 BS16), so torch.export specializes none of them."""
+    chunk over three attention rows whose last 5 tokens get logits, as a prompt's logprobs ask, and four decodes).
+    In the mixed step every dynamic axis is >= 2 and differs from the others (T28 L9 R7 Q8 B6 P52 N19 BS16), so
+    torch.export specializes none of them."""
     rng = np.random.default_rng(seed)
     prompts = [50, 17, 33, 90, 9]
     first = [20, 16, 32, 89, 8]  # the decodes' prompts minus their last token
@@ -130,8 +131,8 @@ def sample_batches(vocab_size: int, seed: int = 0) -> tuple[list[ModelInput], in
     for seq, n in zip(seqs, needed):
         seq.block_ids = [next(free) for _ in range(n)]
     batches = []
-    for chunks in (first, second):
-        batches.append(build_model_input(list(zip(seqs, chunks)), EXAMPLE_BLOCK_SIZE, EXAMPLE_Q_TILE))
+    for chunks, logits_rows in ((first, None), (second, [5, 1, 1, 1, 1])):
+        batches.append(build_model_input(list(zip(seqs, chunks)), EXAMPLE_BLOCK_SIZE, EXAMPLE_Q_TILE, logits_rows))
         for seq, n in zip(seqs, chunks):
             seq.num_computed_tokens += n
     return batches, num_blocks

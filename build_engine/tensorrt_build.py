@@ -31,10 +31,11 @@ class BuildLimits:
     q_tile: int
 
     def axes(self) -> dict[str, AxisRange]:
-        top = axis_maxima(self.max_num_tokens, self.max_num_seqs, self.q_tile, self.max_blocks_per_seq,
+        top = axis_maxima(self.max_num_tokens, self.q_tile, self.max_blocks_per_seq,
                           self.num_kv_blocks, self.block_size)
-        decode = top["S"]  # a full decode step: one token, one row, one scatter pair per sequence
-        opt = {"T": decode, "S": decode, "R": decode, "Q": 1, "B": top["B"], "P": decode, "N": top["N"],
+        decode = min(self.max_num_seqs, self.max_num_tokens)  # a full decode step: one token, one row, one logits
+        # row and one scatter pair per sequence
+        opt = {"T": decode, "L": decode, "R": decode, "Q": 1, "B": top["B"], "P": decode, "N": top["N"],
                "BS": self.block_size}
         low = {axis: 1 for axis in top} | {"BS": self.block_size}
         return {axis: AxisRange(low[axis], opt[axis], top[axis]) for axis in top}

@@ -1,6 +1,8 @@
 """python -m client "Write a haiku about GPUs" --stream   (prints text as it arrives, then latency stats)
 
-Structured output: --json, --json-schema FILE, --regex RE, --choice A --choice B, --grammar FILE."""
+Structured output: --json, --json-schema FILE, --regex RE, --choice A --choice B, --grammar FILE.
+Log probabilities: --top-logprobs N (each new token's N likeliest), --prompt-logprobs N (each prompt token's), as
+token ids and logprobs on stderr after the text."""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from client.client import LLMClient
+
+# outputs whose values each response adds to (the others: the last response's value stands)
+ACCUMULATED = ("output_log_probs", "output_top_logprobs", "output_top_logprob_ids", "output_prompt_logprobs",
+               "output_prompt_top_logprobs", "output_prompt_top_logprob_ids")
 
 
 def guided_inputs(args: argparse.Namespace) -> dict[str, str]:
@@ -24,6 +32,16 @@ def guided_inputs(args: argparse.Namespace) -> dict[str, str]:
         if spec:
             return {"guided_decoding_guide_type": kind, "guided_decoding_guide": spec}
     return {}
+
+
+def print_logprobs(label: str, first: int, logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+                   ) -> None:
+    """One line per token (numbered from `first`): its logprob, then its likeliest alternatives as id:logprob."""
+    width = top_ids.size // max(logprobs.size, 1)
+    for i, logprob in enumerate(logprobs):
+        alternatives = " ".join(f"{t}:{lp:.3f}" for t, lp in zip(top_ids[i * width:(i + 1) * width],
+                                                                 top_logprobs[i * width:(i + 1) * width]))
+        print(f"{label} {first + i}: {logprob:.4f}" + (f" | {alternatives}" if alternatives else ""), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--min-p", type=float)
     p.add_argument("-n", type=int, default=1, help="samples of the prompt (printed one by one at the end when > 1)")
+    p.add_argument("--top-logprobs", type=int, metavar="N", help="print each new token's logprob and N likeliest")
+    p.add_argument("--prompt-logprobs", type=int, metavar="N", help="print each prompt token's logprob and N likeliest")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt with the model's chat template (default on)")
     guide = p.add_mutually_exclusive_group()
@@ -55,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                    top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_words=args.stop,
                    apply_chat_template=args.chat_template, exclude_input_in_output=True, return_num_output_tokens=True,
                    return_finish_reason=True, num_return_sequences=args.n if args.n > 1 else None,
-                   **guided_inputs(args))
+                   top_logprobs=args.top_logprobs, return_log_probs=args.top_logprobs is not None or None,
+                   prompt_logprobs=args.prompt_logprobs, **guided_inputs(args))
     client = LLMClient(args.url, args.model)
     start = time.monotonic()
     times, outputs, samples = [], {}, {}
+    added: dict[str, list[np.ndarray]] = {name: [] for name in ACCUMULATED}
     chunks = client.stream(args.prompt, **options)
     try:
         for chunk in chunks:
@@ -70,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             if chunk.text:
                 times.append(chunk.time)
             outputs.update(chunk.outputs)
+            for name in ACCUMULATED:
+                if name in chunk.outputs:
+                    added[name].append(chunk.outputs[name].reshape(-1))
         for index in sorted(samples):
             print(f"[{index}] {samples[index]}")
     except KeyboardInterrupt:
@@ -79,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     print(flush=True)
+    values = {name: np.concatenate(arrays) if arrays else np.empty(0) for name, arrays in added.items()}
+    if args.prompt_logprobs is not None:
+        print_logprobs("prompt token", 2, values["output_prompt_logprobs"], values["output_prompt_top_logprob_ids"],
+                       values["output_prompt_top_logprobs"])
+    if args.top_logprobs is not None:
+        print_logprobs("token", 1, values["output_log_probs"], values["output_top_logprob_ids"],
+                       values["output_top_logprobs"])
     elapsed = time.monotonic() - start
     n = int(outputs["num_output_tokens"].reshape(-1)[0]) if "num_output_tokens" in outputs else len(times)
     reason = outputs["finish_reason"].reshape(-1)[0].decode() if "finish_reason" in outputs else "?"

@@ -4,6 +4,7 @@ the manifest checks a runner makes at load, and the TensorRT build driven throug
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import types
@@ -77,30 +78,31 @@ def _random_batch(rng: random.Random, max_tokens: int, max_seqs: int, q_tile: in
 @pytest.mark.parametrize("max_tokens,q_tile", [(64, 16), (37, 4), (512, 16)])
 def test_axis_maxima_bound_every_batch_and_are_reached(max_tokens, q_tile):
     rng = random.Random(max_tokens)
-    top = axis_maxima(max_tokens, 8, q_tile, max_blocks_per_seq=64, num_blocks=100, block_size=16)
+    top = axis_maxima(max_tokens, q_tile, max_blocks_per_seq=64, num_blocks=100, block_size=16)
     for _ in range(200):
         b = _random_batch(rng, max_tokens, 8, q_tile, 16)
-        seen = {"T": b.num_tokens, "S": b.num_seqs, "R": len(b.row_block_tables), "Q": b.row_token_index.shape[1],
+        seen = {"T": b.num_tokens, "L": len(b.logits_index), "R": len(b.row_block_tables), "Q": b.row_token_index.shape[1],
                 "B": b.row_block_tables.shape[1], "P": len(b.kv_src)}
         assert all(seen[axis] <= top[axis] for axis in seen), (seen, top)
     seq = Sequence("0", [5] * max_tokens, SamplingParams(), 0)
     seq.block_ids = list(range(-(-max_tokens // 16)))
-    one_chunk = build_model_input([(seq, max_tokens)], 16, q_tile)
+    one_chunk = build_model_input([(seq, max_tokens)], 16, q_tile, logits_rows=[max_tokens])
     assert len(one_chunk.kv_src) == top["P"], "a single full chunk has the most scatter pairs"
+    assert len(one_chunk.logits_index) == top["L"], "a prompt's logprobs take logits for every token of its chunk"
 
 
 def test_plan_verify_names_what_does_not_fit():
     axes = BuildLimits(max_num_tokens=128, max_num_seqs=16, max_blocks_per_seq=64, num_kv_blocks=256,
                        block_size=16, q_tile=16).axes()
     plan = TensorRTPlan("model.plan", "10.3.0", axes)
-    fits = axis_maxima(128, 16, 16, 64, 256, 16)
+    fits = axis_maxima(128, 16, 64, 256, 16)
     plan.verify("10.3.0", fits)
     with pytest.raises(EngineMismatchError, match="TensorRT 10.3.0, this is 10.4.0"):
         plan.verify("10.4.0", fits)
     with pytest.raises(EngineMismatchError, match="block_size 16, the engine config has 32"):
-        plan.verify("10.3.0", axis_maxima(128, 16, 16, 64, 256, 32))
+        plan.verify("10.3.0", axis_maxima(128, 16, 64, 256, 32))
     with pytest.raises(EngineMismatchError, match="T needs 512.*N needs 1000"):
-        plan.verify("10.3.0", axis_maxima(512, 16, 16, 64, 1000, 16))
+        plan.verify("10.3.0", axis_maxima(512, 16, 64, 1000, 16))
 
 
 def test_manifest_round_trip_and_mismatch_messages(tmp_path):
@@ -113,6 +115,11 @@ def test_manifest_round_trip_and_mismatch_messages(tmp_path):
         manifest.verify(CONFIG, "float32")
     with pytest.raises(EngineMismatchError, match="num_layers"):
         manifest.verify(ModelConfig(**{**CONFIG.__dict__, "num_layers": 3}), "bfloat16")
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    del raw["graph_inputs"]  # an engine exported before the graph took logits_index
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineMismatchError, match="an older export.*rebuild it"):
+        EngineManifest.load(tmp_path).verify(CONFIG, "bfloat16")
 
 
 def _interface_only_onnx(path: Path) -> None:
@@ -208,7 +215,7 @@ def test_build_plan_gives_every_input_a_profile_within_the_limits(tmp_path, monk
     assert trt.profile["kv_cache"] == ((L, 2, 1, 16, KVH, D), (L, 2, 300, 16, KVH, D), (L, 2, 300, 16, KVH, D))
     assert trt.profile["token_ids"] == ((1,), (32,), (256,))
     assert trt.profile["row_token_index"] == ((1, 1), (32, 1), (256, 16))
-    assert trt.profile["kv_src"][2] == (axis_maxima(256, 32, 16, 64, 300, 16)["P"],)
+    assert trt.profile["kv_src"][2] == (axis_maxima(256, 16, 64, 300, 16)["P"],)
     manifest = EngineManifest.load(tmp_path)
     assert manifest.tensorrt == TensorRTPlan("model.plan", "10.3.0", limits.axes())
-    manifest.tensorrt.verify("10.3.0", axis_maxima(256, 32, 16, 64, 300, 16))
+    manifest.tensorrt.verify("10.3.0", axis_maxima(256, 16, 64, 300, 16))

@@ -1,7 +1,8 @@
 """The flat, ragged batch every runner consumes.
 
 The runner contract (runners/base.py): token_ids[T], positions[T], slot_mapping[T], query_start[S+1],
-context_lens[S], block_tables[S, B]. From these we also derive, on the host and cheaply, the index
+context_lens[S], block_tables[S, B], and logits_index[L]: the tokens whose logits the step returns, in batch
+order: each sequence's last token, or the last m of its chunk when it asks for m (a prompt's logprobs). From these we also derive, on the host and cheaply, the index
 tensors that place tokens into attention rows (see models/llama.py), so that the compiled graph has
 only input-defined shapes.
 
@@ -19,7 +20,7 @@ import numpy as np
 from backend.engine.sequence import Sequence
 
 GRAPH_INPUTS = ("token_ids", "positions", "row_block_tables", "row_token_index", "kv_src", "kv_dst",
-                "token_slot", "last_token_index")
+                "token_slot", "logits_index")
 
 
 @dataclass
@@ -35,7 +36,8 @@ class ModelInput:
     kv_src: np.ndarray  # [P]
     kv_dst: np.ndarray  # [P]
     token_slot: np.ndarray  # [T]
-    last_token_index: np.ndarray  # [S]
+    logits_index: np.ndarray  # [L] tokens whose logits the step returns
+    logits_start: np.ndarray  # [S + 1] each sequence's rows of the logits; its last row is its last token's
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +52,10 @@ class ModelInput:
         return {name: getattr(self, name) for name in GRAPH_INPUTS}
 
 
-def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_tile: int) -> ModelInput:
+def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_tile: int,
+                      logits_rows: list[int] | None = None) -> ModelInput:
+    """The batch of `scheduled` (sequence, tokens to compute); `logits_rows[s]` (default 1) of the last tokens of
+    sequence s's chunk get logits."""
     i64 = np.int64
     chunks = [n for _, n in scheduled]
     S, T = len(scheduled), sum(chunks)
@@ -86,6 +91,10 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
             dsts.append(r * C + np.arange(start, start + b))
         t += n
 
+    rows = np.ones(S, i64) if logits_rows is None else np.asarray(logits_rows, i64)
+    logits_start = np.concatenate([[0], np.cumsum(rows)])
+    ends = query_start[1:]
+    logits_index = np.concatenate([np.arange(end - m, end) for end, m in zip(ends, rows)]) if S else np.empty(0, i64)
     blocks = block_tables[np.repeat(np.arange(S), chunks), positions // block_size]
     return ModelInput(
         token_ids=token_ids,
@@ -99,5 +108,6 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
         kv_src=np.concatenate(srcs),
         kv_dst=np.concatenate(dsts),
         token_slot=token_slot,
-        last_token_index=query_start[1:] - 1,
+        logits_index=logits_index,
+        logits_start=logits_start,
     )

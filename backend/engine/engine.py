@@ -26,7 +26,8 @@ from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
-from backend.engine.sampling import NO_TOKEN, Sampled, SamplerRow, SamplingParams, SamplingState, sample
+from backend.engine.sampling import (NO_TOKEN, Sampled, SamplerRow, SamplingParams, SamplingState, sample,
+                                    token_logprobs)
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.sequence import FinishReason, Sequence
 
@@ -45,16 +46,20 @@ class RequestOutput:
     error: Exception | None = None  # with finish_reason "error": the request's error, for its front door
     index: int = 0  # the sample (n > 1)
     request_finished: bool = False  # the request's last sample has finished (`finished` with n = 1)
+    # with the first token of a request that asks for them (of sample 0): the logprob of prompt tokens 1, 2, ...
+    # given the tokens before (the first has none), each with its `prompt_logprobs` likeliest alternatives
+    prompt_logprobs: list[Sampled] | None = None
 
     @classmethod
     def of(cls, seq: Sequence, picks: list[Sampled], request_finished: bool = False) -> RequestOutput:
+        first = bool(picks) and len(seq.output_token_ids) == 1 and seq.params.prompt_logprobs is not None
         return cls(request_id=seq.sample_of or seq.request_id, new_token_ids=[p.token for p in picks],
                    new_logprobs=[p.logprob for p in picks], new_top_logprobs=[p.top_logprobs for p in picks],
                    finished=seq.finish_reason is not None,
                    finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                    num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
                    num_cached_tokens=seq.num_cached_tokens, error=seq.error, index=seq.index,
-                   request_finished=request_finished)
+                   request_finished=request_finished, prompt_logprobs=seq.prompt_logprobs if first else None)
 
 
 @dataclass
@@ -129,12 +134,14 @@ class LLMEngine:
         if params.n == 1:
             self._add_sequence(request_id, prompt, params, priority, tenant, salt)
             return
-        # n samples, each a sequence; the first computes the prompt, the others wait for it and take its blocks
-        # from the prefix cache. Sample i's seed is seed + i (vLLM's rule): each is reproducible alone.
+        # n samples, each a sequence; the first computes the prompt (and its logprobs, when asked), the others wait
+        # for it and take its blocks from the prefix cache. Sample i's seed is seed + i (vLLM's rule): each is
+        # reproducible alone.
         ids, leader = [f"{request_id}/{i}" for i in range(params.n)], None
         try:
             for i, sample_id in enumerate(ids):
-                sample = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                sample = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
                 seq = self._add_sequence(sample_id, prompt, sample, priority, tenant, salt, sample_of=request_id,
                                          index=i, prefill_leader=leader)
                 leader = leader or seq
@@ -289,11 +296,16 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, between_layers: Callable[[], None] | None) -> list[RequestOutput]:
         """Forward, sample and update for a scheduled batch; its outputs."""
-        batch = build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile)
+        batch = build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile,
+                                  [n if seq.wants_prompt_logprobs else 1 for seq, n in sched.scheduled])
         logits = self.runner.forward(batch, between_layers)
+        for i, (seq, n) in enumerate(sched.scheduled):
+            if seq.wants_prompt_logprobs:
+                self._prompt_logprobs(seq, logits[batch.logits_start[i]:batch.logits_start[i + 1]])
         sampled = [i for i, (seq, n) in enumerate(sched.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
         rows = [self._sampler_row(sched.scheduled[i][0]) for i in sampled]
-        picks = sample(logits[np.asarray(sampled, dtype=np.int64)], rows) if rows else []
+        last_rows = batch.logits_start[1:] - 1
+        picks = sample(logits[last_rows[np.asarray(sampled, dtype=np.int64)]], rows) if rows else []
         dead = [sched.scheduled[i][0] for i, pick in zip(sampled, picks) if pick.token == NO_TOKEN]
         outputs = []
         for seq, pick in self.scheduler.update_from_output(
@@ -306,6 +318,17 @@ class LLMEngine:
         return outputs + [self._fail(seq, InvalidRequestError(
             GUIDE_FIELD, f"no token is allowed after {len(seq.output_token_ids)} output tokens (the guide, "
                          "min_tokens and bad_words leave none)")) for seq in dead]
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+        """Add the prompt logprobs a chunk's logits [n, V] give (row j, at position computed + j, predicts the token
+        after it), from the first not yet known: a chunk recomputed after a preemption adds none twice."""
+        computed, prompt = seq.num_computed_tokens, seq.prompt_token_ids
+        first = len(seq.prompt_logprobs) + 1  # the next prompt position to find a logprob for
+        targets = range(max(first, computed + 1), min(len(prompt), computed + len(logits) + 1))
+        if targets:
+            seq.prompt_logprobs += token_logprobs(logits[targets.start - 1 - computed:targets.stop - 1 - computed],
+                                                  prompt[targets.start:targets.stop], seq.params.prompt_logprobs)
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         """The sampler's view of a sequence that yields a token this step, with the ids it may not pick:

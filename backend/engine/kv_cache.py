@@ -170,9 +170,10 @@ class KVCacheManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has no blocks yet.
 
-        At least one token is left to compute, since the step that computes it yields the logits.
+        At least one token is left to compute, since the step that computes it yields the logits; a sequence that
+        still wants its prompt's logprobs takes none (they come from the logits of every prompt token).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         self._update_hashes(seq)
         return self._cached_run(seq.block_hashes[:(seq.num_tokens - 1) // self.block_size])

@@ -2,7 +2,7 @@
 
 Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own
 `torch.Generator`, so a request with a seed yields the same tokens whatever else is in the batch.
-Logprobs are those of the model's raw distribution (log_softmax of the logits before
+Logprobs (and a prompt's, `token_logprobs`) are those of the model's raw distribution (log_softmax of the logits before
 a guide's mask, penalties and temperature), as vLLM and TensorRT-LLM report them by default; a row with
 `top_logprobs` N also gets that distribution's N likeliest (token id, logprob) pairs, likeliest first.
 
@@ -41,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # report the N likeliest tokens of each step, with their logprobs; 0: off
+    prompt_logprobs: int | None = None  # report each prompt token's logprob and its N likeliest (vLLM's); None: off
     n: int = 1  # samples of the prompt, each its own sequence (sample i's seed: seed + i)
     guided: Guide | None = None
 
@@ -61,6 +62,9 @@ class SamplingParams:
             raise InvalidRequestError("n", f"must be in [1, {MAX_SAMPLES}], got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                                         f"{self.prompt_logprobs}")
         if self.repetition_penalty <= 0:
             raise InvalidRequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name, ids in (("stop_token_ids", self.stop_token_ids),
@@ -169,6 +173,23 @@ def _top_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], rows: list[Samp
             n = rows[i].params.top_logprobs
             tops[i] = list(zip(row_ids[:n], row_values[:n]))
     return tops
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows_per_pass: int = 256) -> list[Sampled]:
+    """The logprob of `tokens[i]` under row i of `logits` [N, V], with that row's `top` likeliest (token id, logprob)
+    pairs (a prompt's logprobs). A pass takes `rows_per_pass` rows: a long chunk's log_softmax is not held whole."""
+    out: list[Sampled] = []
+    for a in range(0, len(tokens), rows_per_pass):
+        logprobs = torch.log_softmax(logits[a:a + rows_per_pass].float(), dim=-1)
+        ids = torch.tensor(tokens[a:a + rows_per_pass], dtype=torch.long)
+        picked = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+        if top:
+            values, top_ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        else:
+            tops = [[] for _ in picked]
+        out += [Sampled(t, lp, tp) for t, lp, tp in zip(ids.tolist(), picked, tops)]
+    return out
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from backend.engine.sampling import SamplingParams, SamplingState
+from backend.engine.sampling import Sampled, SamplingParams, SamplingState
 
 
 class Status(enum.Enum):
@@ -49,6 +49,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # why it ended, with FinishReason.ERROR
+    prompt_logprobs: list[Sampled] = field(default_factory=list)  # of prompt tokens 1, 2, ... (params.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asks for its prompt's logprobs and some are still to compute: then it computes its whole prompt (no
+        prefix-cache hit) and every token of its prompt chunks gets logits."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def may_start(self) -> bool:

@@ -106,6 +106,9 @@ INPUTS: tuple[TensorSpec, ...] = (
            "says its sequence_index; the prompt is computed once"),
     _input("top_logprobs", "TYPE_INT32", (1,), "send the N likeliest tokens of each step and their logprobs "
                                                "(output_top_logprob_ids, output_top_logprobs), N in [0, 20]; 0: off"),
+    _input("prompt_logprobs", "TYPE_INT32", (1,), "send each prompt token's logprob given the tokens before it "
+           "(output_prompt_logprobs) and the N likeliest there (output_prompt_top_logprob*), N in [0, 20] "
+           "(vLLM's); left out: off. The prompt is then computed whole, never taken from the prefix cache"),
     _input("exclude_input_in_output", "TYPE_BOOL", (1,), "leave the prompt out of a non-streamed output"),
     _input("return_num_input_tokens", "TYPE_BOOL", (1,), "send num_input_tokens"),
     _input("return_num_output_tokens", "TYPE_BOOL", (1,), "send num_output_tokens"),
@@ -141,6 +144,12 @@ OUTPUTS: tuple[TensorSpec, ...] = (
                "top_logprobs logprobs per new token, likeliest first, flattened (top_logprobs)"),
     TensorSpec("output_top_logprob_ids", "TYPE_INT32", (-1,), _BOTH,
                "the token ids of output_top_logprobs (top_logprobs)"),
+    TensorSpec("output_prompt_logprobs", "TYPE_FP32", (-1,), _BOTH,
+               "the logprob of prompt tokens 2, 3, ... given those before, in the first response (prompt_logprobs)"),
+    TensorSpec("output_prompt_top_logprobs", "TYPE_FP32", (-1,), _BOTH,
+               "prompt_logprobs logprobs per prompt token after the first, likeliest first, flattened"),
+    TensorSpec("output_prompt_top_logprob_ids", "TYPE_INT32", (-1,), _BOTH,
+               "the token ids of output_prompt_top_logprobs (prompt_logprobs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (1,), _BOTH, "prompt tokens (return_num_input_tokens)"),
     TensorSpec("num_output_tokens", "TYPE_INT32", (1,), _BOTH, "tokens generated (return_num_output_tokens)"),
     TensorSpec("finish_reason", "TYPE_STRING", (1,), _BOTH,

@@ -5,7 +5,8 @@ Each response carries the ids not yet sent (`output_ids`), up to CONTEXT_TOKENS 
 (backend/serving/detokenize.py). A request that came as text_input gets `text_output` in place of
 `context_ids`, decoded here by one incremental detokenizer per request (the output thread sends each
 request's outputs in order). Streaming sends every step's tokens; otherwise one response at the end, holding
-the prompt too when `exclude_input_in_output` is false. Optional outputs are present only when their
+the prompt too when `exclude_input_in_output` is false; a prompt's logprobs go in the first response with
+tokens. Optional outputs are present only when their
 `return_*` input asked for them. A request of n > 1 samples (`num_return_sequences`) has one builder per sample
 (`Responses`), each response says its `sequence_index`, and only the last sample's last response is final.
 """
@@ -20,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from backend.serving.detokenize import IncrementalDetokenizer, context_before
 from backend.engine.engine import RequestOutput
+from backend.engine.sampling import Sampled
 from backend.serving.request import GenerationRequest
 
 
@@ -31,6 +33,13 @@ def _text(text: str) -> np.ndarray:
     return _row([text.encode("utf-8")], np.object_)
 
 
+def _prompt_logprobs(entries: list[Sampled]) -> dict[str, np.ndarray]:
+    """The prompt_logprobs outputs: each prompt token's logprob after the first, then the likeliest ones, flattened."""
+    return {"output_prompt_logprobs": _row([e.logprob for e in entries], np.float32),
+            "output_prompt_top_logprobs": _row([lp for e in entries for _, lp in e.top_logprobs], np.float32),
+            "output_prompt_top_logprob_ids": _row([t for e in entries for t, _ in e.top_logprobs], np.int32)}
+
+
 @dataclass
 class ResponseBuilder:
     request: GenerationRequest
@@ -38,6 +47,7 @@ class ResponseBuilder:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: dict[str, np.ndarray] = field(default_factory=dict)  # held for the next response sent
     sent: int = 0
     detokenizer: IncrementalDetokenizer | None = field(default=None, init=False)
 
@@ -50,6 +60,8 @@ class ResponseBuilder:
         self.output_ids += out.new_token_ids
         self.logprobs += [lp if lp is not None else 0.0 for lp in out.new_logprobs]
         self.top_logprobs += out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
         req = self.request
         if not req.stream and not out.finished:
             return None
@@ -65,6 +77,8 @@ class ResponseBuilder:
         if req.params.top_logprobs:  # top_logprobs entries per new token, flattened
             tensors["output_top_logprobs"] = _row([lp for top in new_top for _, lp in top], np.float32)
             tensors["output_top_logprob_ids"] = _row([t for top in new_top for t, _ in top], np.int32)
+        tensors |= self.prompt_logprobs
+        self.prompt_logprobs = {}
         if req.return_num_input_tokens:
             tensors["num_input_tokens"] = _row([out.num_prompt_tokens], np.int32)
         if req.return_num_output_tokens:

@@ -274,12 +274,12 @@ class PagedLlama(nn.Module):
         kv_src: torch.Tensor,  # [P]
         kv_dst: torch.Tensor,  # [P]
         token_slot: torch.Tensor,  # [T]
-        last_token_index: torch.Tensor,  # [S]
+        logits_index: torch.Tensor,  # [L] the tokens whose logits are returned
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`)
         kernel: KernelLayout | None = None,  # attend with the CPU kernel, which writes the new K/V itself
         between_layers: Callable[[], None] | None = None,  # eager only: called after each layer but the last
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (logits [S, vocab] of each sequence's last token, new K/V [L, 2, T, KVH, D]); with
+        """Returns (logits [L, vocab] of the tokens at `logits_index`, new K/V [L, 2, T, KVH, D]); with
         `kernel` the new K/V are already in the cache, and None is returned for them. `between_layers` may run
         another forward over other sequences' blocks (the engine's cut-in): this one keeps its state in locals."""
         rows = kernel or RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst,
@@ -297,7 +297,7 @@ class PagedLlama(nn.Module):
                 new_kv.append(torch.stack((k, v)))
             if between_layers is not None and i + 1 < len(self.layers):
                 between_layers()
-        return self.lm_head(h[last_token_index]).float(), torch.stack(new_kv) if new_kv else None
+        return self.lm_head(h[logits_index]).float(), torch.stack(new_kv) if new_kv else None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -1,7 +1,7 @@
 """The runner contract: one forward over a flat batch, KV cache owned by the runner.
 
-`forward(batch, between_layers)` returns float32 logits [S, vocab] (on the host) for the last token of each
-sequence and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`. A runner that runs
+`forward(batch, between_layers)` returns float32 logits [L, vocab] (on the host) for the tokens at
+`batch.logits_index` (each sequence's last token, and more where it asks: batch.py) and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`. A runner that runs
 the model layer by layer (PyTorch) calls `between_layers`, when given, between its layers; a compiled graph
 (ONNX Runtime, TensorRT) runs whole and never calls it. The cache,
 `kv_cache` [layers, 2, num_blocks, block_size, kv_heads, head_dim], is a torch tensor on every runtime, so
@@ -45,9 +45,9 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
 
 def graph_outputs(cfg: ModelConfig, batch: ModelInput, dtype: torch.dtype,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty outputs of the compiled graph, bound by pointer: logits [S, vocab] float32, new K/V
+    """Empty outputs of the compiled graph, bound by pointer: logits [L, vocab] float32, new K/V
     [layers, 2, T, kv_heads, head_dim]."""
-    logits = torch.empty(batch.num_seqs, cfg.vocab_size, dtype=torch.float32, device=device)
+    logits = torch.empty(len(batch.logits_index), cfg.vocab_size, dtype=torch.float32, device=device)
     new_kv = torch.empty(cfg.num_layers, 2, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
                          device=device)
     return logits, new_kv

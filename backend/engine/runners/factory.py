@@ -29,5 +29,5 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
 
     sched = config.scheduler
     return TensorRTRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size,
-                          max_num_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+                          max_num_tokens=sched.max_num_batched_tokens,
                           q_tile=config.q_tile, max_model_len=sched.max_model_len, device=config.device)

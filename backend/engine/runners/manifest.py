@@ -20,7 +20,7 @@ MANIFEST_FILE = "manifest.json"
 CACHE_INPUT = "kv_cache"
 INPUT_NAMES = (*GRAPH_INPUTS, CACHE_INPUT)
 OUTPUT_NAMES = ("logits", "new_kv")
-# tokens T, sequences S, attention rows R, row width Q, blocks per row B, scatter pairs P, pool N, block size BS
+# tokens T, logits rows L, attention rows R, row width Q, blocks per row B, scatter pairs P, pool N, block size BS
 DYNAMIC_AXES: dict[str, dict[int, str]] = {
     "token_ids": {0: "T"},
     "positions": {0: "T"},
@@ -29,7 +29,7 @@ DYNAMIC_AXES: dict[str, dict[int, str]] = {
     "kv_src": {0: "P"},
     "kv_dst": {0: "P"},
     "token_slot": {0: "T"},
-    "last_token_index": {0: "S"},
+    "logits_index": {0: "L"},
     CACHE_INPUT: {2: "N", 3: "BS"},
 }
 
@@ -38,15 +38,15 @@ class EngineMismatchError(ValueError):
     """The engine folder was built for something else (model, dtype, TensorRT version or limits)."""
 
 
-def axis_maxima(max_num_tokens: int, max_num_seqs: int, q_tile: int, max_blocks_per_seq: int, num_blocks: int,
+def axis_maxima(max_num_tokens: int, q_tile: int, max_blocks_per_seq: int, num_blocks: int,
                 block_size: int) -> dict[str, int]:
     """The largest value each dynamic axis takes under an engine config (see backend/engine/batch.py).
 
-    Rows never outnumber tokens. Scatter pairs peak when one sequence's chunk fills the budget: row k
+    Rows never outnumber tokens, and logits rows never either (a prompt's logprobs take one per token). Scatter pairs peak when one sequence's chunk fills the budget: row k
     of a chunk receives the chunk's new keys up to its last query, min((k + 1) * Q, chunk)."""
     q = min(q_tile, max_num_tokens)
     pairs = sum(min((k + 1) * q, max_num_tokens) for k in range(cdiv(max_num_tokens, q)))
-    return {"T": max_num_tokens, "S": min(max_num_seqs, max_num_tokens), "R": max_num_tokens, "Q": q,
+    return {"T": max_num_tokens, "L": max_num_tokens, "R": max_num_tokens, "Q": q,
             "B": max_blocks_per_seq, "P": pairs, "N": num_blocks, "BS": block_size}
 
 
@@ -93,6 +93,7 @@ class EngineManifest:
     opset: int
     weights: list[list]  # [file name, size, mtime_ns] of the source safetensors, to spot a changed model
     tensorrt: TensorRTPlan | None = None
+    graph_inputs: list[str] = dataclasses.field(default_factory=lambda: list(INPUT_NAMES))  # as exported
 
     def save(self, engine_dir: str | Path) -> None:
         (Path(engine_dir) / MANIFEST_FILE).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
@@ -111,6 +112,7 @@ class EngineManifest:
             onnx_file=raw["onnx_file"],
             opset=raw["opset"],
             weights=raw["weights"],
+            graph_inputs=raw.get("graph_inputs", []),
             tensorrt=None if trt is None else TensorRTPlan(
                 plan_file=trt["plan_file"],
                 tensorrt_version=trt["tensorrt_version"],
@@ -119,6 +121,9 @@ class EngineManifest:
         )
 
     def verify(self, model_config: ModelConfig, dtype: str) -> None:
+        if self.graph_inputs != list(INPUT_NAMES):
+            raise EngineMismatchError(f"engine's graph takes {self.graph_inputs or 'other inputs (an older export)'}, "
+                                      f"this runner feeds {list(INPUT_NAMES)}: rebuild it (python -m build_engine)")
         if self.dtype != dtype:
             raise EngineMismatchError(f"engine was built for dtype {self.dtype}, the engine config asks for {dtype}")
         if self.model_config != model_config:

@@ -21,7 +21,7 @@ from backend.engine.runners.manifest import (CACHE_INPUT, INPUT_NAMES, OUTPUT_NA
 
 class TensorRTRunner:
     def __init__(self, engine_dir: str | Path, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int,
-                 *, max_num_tokens: int, max_num_seqs: int, q_tile: int, max_model_len: int | None = None,
+                 *, max_num_tokens: int, q_tile: int, max_model_len: int | None = None,
                  device: str = "cuda"):
         import tensorrt as trt
 
@@ -35,7 +35,7 @@ class TensorRTRunner:
             raise EngineMismatchError(f"{engine_dir} has no TensorRT plan (build_engine --runtime tensorrt)")
         self.model_config = cfg = manifest.model_config
         blocks = max_blocks_per_seq(cfg, num_blocks, block_size, max_model_len)
-        manifest.tensorrt.verify(trt.__version__, axis_maxima(max_num_tokens, max_num_seqs, q_tile, blocks,
+        manifest.tensorrt.verify(trt.__version__, axis_maxima(max_num_tokens, q_tile, blocks,
                                                               num_blocks, block_size))
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)

@@ -22,6 +22,7 @@ from backend.triton.glue import (error_response, forwarded_error, model_paramete
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TEXT_INPUTS = ("text_input", "apply_chat_template")
 PASSTHROUGH = ("output_log_probs", "cum_log_probs", "output_top_logprobs", "output_top_logprob_ids",
+               "output_prompt_logprobs", "output_prompt_top_logprobs", "output_prompt_top_logprob_ids",
                "num_input_tokens", "num_output_tokens", "finish_reason", "sequence_index")
 RETIRE_S = 10.0  # how long a finished BLS stream stays referenced here (see _retire)
 
