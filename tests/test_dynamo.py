@@ -14,6 +14,8 @@ import pytest
 from openai import OpenAI
 
 from backend.dynamo import launcher
+from backend.engine import EngineConfig, LLMEngine
+from backend.engine.sampling import SamplingParams
 from backend.serving.tokenizer import load_tokenizer
 from tests.dynamo_cluster import DYNAMO_PYTHON, MODEL, free_ports, post, start_cluster, wait_kv_free, worker_metric
 from tests.reference import hf_greedy
@@ -130,9 +132,30 @@ def test_top_logprobs_through_the_openai_api(client):
     assert [len(top) for top in completion.choices[0].logprobs.top_logprobs] == [3] * 4
 
 
+def test_prompt_logprobs_through_the_openai_api_are_the_offline_engines(cluster, tokenizer, tiny_model_dir):
+    """Chat's `prompt_logprobs` (vLLM's extension) reach the worker as output_options.prompt_logprobs and come back
+    in the response's `prompt_logprobs`: per prompt position, the prompt's token and the N likeliest, with text.
+    (Dynamo 1.6.1's completions response carries none: its frontend drops them there.)"""
+    messages = [{"role": "user", "content": "Say something."}]
+    code, body = post(cluster, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                        "prompt_logprobs": 2})
+    assert code == 200, body
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    [entries] = [out.prompt_logprobs for out in engine.step()]
+    positions = body["prompt_logprobs"]
+    assert len(positions) == len(prompt) and positions[0] is None
+    for token, position, entry in zip(prompt[1:], positions[1:], entries):
+        assert position[str(token)]["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+        assert position[str(token)]["decoded_token"] == tokenizer.decode([token])
+        assert {int(t) for t in position} == {token} | {t for t, _ in entry.top_logprobs}
+
+
 @pytest.mark.parametrize("field, body", [
     ("n", {"n": 2}),
     ("min_p", {"min_p": 1.5}),
+    ("prompt_logprobs", {"prompt_logprobs": 21}),
     ("guided_decoding_guide", {"guided_json": {"type": "array", "uniqueItems": True}}),
     ("top_p", {"top_p": 0.0}),
 ])

@@ -45,10 +45,11 @@ def test_logprobs_n_asks_for_the_n_likeliest_tokens(logprobs, expected):
     assert (p.logprobs, p.top_logprobs) == expected
 
 
-def test_prompt_logprobs_are_refused_beside_top_logprobs():
-    with pytest.raises(InvalidRequestError) as err:
-        generation_request(_request(output={"logprobs": 5, "prompt_logprobs": 1}), EOS, max_model_len=100)
-    assert err.value.field == "prompt_logprobs"
+@pytest.mark.parametrize("prompt_logprobs, expected", [(None, None), (0, 0), (3, 3)])
+def test_prompt_logprobs_n_asks_for_the_prompts_logprobs(prompt_logprobs, expected):
+    p = generation_request(_request(output={"logprobs": 5, "prompt_logprobs": prompt_logprobs}), EOS,
+                           max_model_len=100).params
+    assert (p.top_logprobs, p.prompt_logprobs) == (5, expected)
 
 
 @pytest.mark.parametrize("field, request_", [
@@ -59,7 +60,6 @@ def test_prompt_logprobs_are_refused_beside_top_logprobs():
     ("guided_decoding", _request(sampling={"guided_decoding": {"structural_tag": {"begin": "<a>"}}})),
     ("guided_decoding", _request(sampling={"guided_decoding": {"json": {}, "regex": "a+"}})),
     ("max_thinking_tokens", _request(stop={"max_thinking_tokens": 10})),
-    ("prompt_logprobs", _request(output={"prompt_logprobs": 1})),
     ("prompt", _request(tokens=())),
 ])
 def test_unsupported_options_are_refused_by_name(field, request_):

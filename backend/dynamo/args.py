@@ -23,6 +23,9 @@ def worker_parser() -> argparse.ArgumentParser:
                    help="prefill role: how decode workers get the KV blocks (NIXL over UCX, or a plain TCP pull)")
     p.add_argument("--kv-host", default="127.0.0.1",
                    help="prefill role, tcp transport: the address decode workers fetch KV blocks from")
+    p.add_argument("--dyn-tool-call-parser", default=None, metavar="NAME",
+                   help="the frontend's parser for tool calls in this model's output, as Dynamo's own workers name "
+                        "it: hermes fits ChatML models such as SmolLM2 (<tool_call>{...}</tool_call>); default: none")
     engine = p.add_argument_group("engine settings (as in config.pbtxt; defaults in backend/engine/config.py)")
     for name, field in setting_fields().items():
         engine.add_argument("--" + name.replace("_", "-"), dest=name, metavar=str(field.type).split(" |")[0].upper(),

@@ -7,7 +7,8 @@ worker whose discovery entry goes with it and routes to the others), and stops e
 
     python -m backend.dynamo.launcher --workers 2 --http-port 8080 [-- --max-num-seqs 32 ...]
 
-Arguments after `--` go to every worker (engine settings: python -m backend.dynamo.worker --help).
+Arguments after `--` go to every worker (engine settings, `--dyn-tool-call-parser hermes`: python -m
+backend.dynamo.worker --help).
 """
 
 from __future__ import annotations

@@ -76,11 +76,12 @@ def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...
     params["stop_token_ids"] = tuple(dict.fromkeys([*eos, *extra_stop_ids]))
 
     # logprobs N: the sampled token's logprob and the N likeliest tokens' (chat's top_logprobs, completions' logprobs)
+    # prompt_logprobs N: each prompt token's logprob and its N likeliest (vLLM's; the frontend's nvext.prompt_logprobs)
     logprobs = output.get("logprobs")
-    if output.get("prompt_logprobs"):
-        raise InvalidRequestError("prompt_logprobs", "not supported by this engine")
     params["logprobs"] = logprobs is not None
     params["top_logprobs"] = int(logprobs or 0)
+    if output.get("prompt_logprobs") is not None:
+        params["prompt_logprobs"] = int(output["prompt_logprobs"])
 
     # EOS is handled through stop_token_ids above (as the Triton door does), so the engine ignores its own
     return GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(**params, ignore_eos=True),

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from dynamo.common.backend import EngineConfig as RegisteredModel
@@ -37,6 +37,7 @@ from backend.dynamo.request import generation_request
 from backend.engine import LLMEngine
 from backend.engine.config import EngineConfig, setting_fields
 from backend.engine.errors import EngineDeadError, InvalidRequestError
+from backend.engine.sampling import Sampled
 from backend.serving.engine_thread import EngineLoop, Submission
 from backend.serving.settings import engine_config_from_settings
 from backend.serving.tokenizer import load_tokenizer
@@ -67,7 +68,7 @@ class EngineWorker(DynamoEngine):
             namespace=args.namespace, component=args.component, endpoint="generate",
             model_name=engine_config.model, served_model_name=args.served_model_name,
             discovery_backend=args.discovery_backend, request_plane="tcp", event_plane=args.event_plane,
-            disaggregation_mode=MODES[args.role])
+            disaggregation_mode=MODES[args.role], tool_call_parser=args.dyn_tool_call_parser)
         return worker, config
 
     async def start(self, worker_id: int) -> RegisteredModel:
@@ -130,13 +131,15 @@ class EngineWorker(DynamoEngine):
             self.loop.submit(sub)
         except EngineDeadError as err:
             raise EngineShutdown(str(err)) from None
-        finished = False
+        finished, prompt_logprobs = False, None
         try:
             while not finished:
                 out = await outputs.get()
                 if isinstance(out, Exception):
                     finished = True
                     raise _dynamo_error(out)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = _prompt_logprobs(out.prompt_logprobs, self.loop.tokenizer.decode)
                 chunk: dict[str, Any] = {"token_ids": out.new_token_ids, "index": 0}
                 if req.params.logprobs:
                     chunk["log_probs"] = out.new_logprobs
@@ -153,6 +156,8 @@ class EngineWorker(DynamoEngine):
                         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
                     if export is not None:  # a prefill's blocks, waiting for the decode worker (filled before this)
                         chunk["disaggregated_params"] = export
+                    if prompt_logprobs is not None:  # as dynamo.vllm sends them: the frontend's nvext.prompt_logprobs
+                        chunk["engine_data"] = {"prompt_logprobs": prompt_logprobs}
                 yield chunk
         finally:
             if not finished:  # the stream was closed early (client gone): free the engine request
@@ -168,6 +173,17 @@ class EngineWorker(DynamoEngine):
         if loop is not None:
             await asyncio.to_thread(loop.shutdown)
         await self.disagg.close()
+
+
+def _prompt_logprobs(entries: list[Sampled], decode: Callable[[list[int]], str]
+                     ) -> list[dict[str, dict[str, Any]] | None]:
+    """The engine's prompt logprobs in dynamo.vllm's shape: per prompt position None (the first) or {token id as a
+    string: {logprob, decoded_token}}, the prompt's token and then its likeliest alternatives."""
+    positions: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries:
+        pairs = [(entry.token, entry.logprob)] + [pair for pair in entry.top_logprobs if pair[0] != entry.token]
+        positions.append({str(token): {"logprob": logprob, "decoded_token": decode([token])} for token, logprob in pairs})
+    return positions
 
 
 def _dynamo_error(err: Exception) -> Exception:
