@@ -2,6 +2,7 @@
 
 Systems, each run in a fresh child process (so peak RSS and thread pools are its own):
   engine     our LLMEngine, driven through add_request/step
+  engine_int8  the same with `quantization: int8` (engine_onnxruntime: the exported graph on ONNX Runtime)
   hf_static  HF `generate` on static, left-padded batches of 8 (the picture before continuous batching)
   hf_cb      HF's own continuous batching manager, each request with its own max_new_tokens
   vllm       vLLM's CPU build in its own venv (.venv-vllm, made by load_tests/vllm_env.sh), with --vllm
@@ -45,8 +46,8 @@ MODELS_DIR = REPO / ".cache" / "models"
 RANDOM56M = "random56m"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DTYPES = ("float32", "bfloat16")
-SYSTEMS = ("engine", "engine_onnxruntime", "hf_static", "hf_cb", "vllm")
-BASELINES = ("hf_cb", "vllm")  # the table shows each system's ratio to these
+SYSTEMS = ("engine", "engine_onnxruntime", "engine_int8", "hf_static", "hf_cb", "vllm")
+BASELINES = ("engine", "hf_cb", "vllm")  # the table shows each system's ratio to these
 STATIC_BATCH = 8
 RSS_CHECK_REQUESTS = 1000
 RSS_CHECK_WAVES = 10
@@ -223,7 +224,7 @@ def _load_hf(model_dir: Path, dtype: str):
 
 
 def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None,
-               runtime: str = "torch") -> SystemResult:
+               runtime: str = "torch", quantization: str = "none") -> SystemResult:
     """Our engine through its online API, so progress shows as requests finish."""
     from backend.engine import EngineConfig, LLMEngine
     from backend.engine.sampling import SamplingParams
@@ -233,7 +234,8 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
         from build_engine.export_onnx import cached_engine_dir
 
         engine_dir = str(cached_engine_dir(model_dir, dtype))
-    engine = LLMEngine(EngineConfig.create(model=str(model_dir), dtype=dtype, runtime=runtime, engine_dir=engine_dir))
+    engine = LLMEngine(EngineConfig.create(model=str(model_dir), dtype=dtype, runtime=runtime, engine_dir=engine_dir,
+                                           quantization=quantization))
     counter = iter(range(sys.maxsize))
 
     def generate(batch: list[Request], progress: Progress) -> Outputs:
@@ -249,8 +251,9 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
                     progress.update()
         return outputs
 
-    system = "engine" if runtime == "torch" else f"engine_{runtime}"
-    result = measure(system, dtype, generate, requests, extra={"runtime": runtime})
+    system = "engine" + ("" if runtime == "torch" else f"_{runtime}") + ("" if quantization == "none" else
+                                                                        f"_{quantization}")
+    result = measure(system, dtype, generate, requests, extra={"runtime": runtime, "quantization": quantization})
     if rss_check is not None:
         # RSS after each tenth of the requests: allocator warm-up levels off, a leak keeps climbing
         more = load_workload(rss_check)
@@ -352,6 +355,7 @@ def run_vllm(model_dir: Path, dtype: str, requests: list[Request], rss_check: Pa
 RUNNERS: dict[str, Callable[[Path, str, list[Request], Path | None], SystemResult]] = {
     "engine": run_engine, "hf_static": run_hf_static, "hf_cb": run_hf_cb, "vllm": run_vllm,
     "engine_onnxruntime": functools.partial(run_engine, runtime="onnxruntime"),
+    "engine_int8": functools.partial(run_engine, quantization="int8"),
 }
 
 
@@ -411,25 +415,27 @@ def ratios(results: list[SystemResult]) -> dict[tuple[str, str], dict[str, float
 
 
 def table(results: list[SystemResult], threads: int) -> str:
-    """A plain-text table of the results with ratios to hf_cb and vLLM, and a warning when contended."""
+    """A plain-text table of the results with ratios to our float engine, hf_cb and vLLM, and a warning when
+    contended."""
     rel = ratios(results)
-    head = (f"{'system':<10} {'dtype':<9} {'reqs':>5} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} "
-            f"{'x hf_cb':>8} {'x vllm':>7} {'peak RSS MiB':>13} {'cpu util':>9} {'load 1m':>10}")
+    head = (f"{'system':<12} {'dtype':<9} {'reqs':>5} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} "
+            f"{'x engine':>8} {'x hf_cb':>8} {'x vllm':>7} {'peak RSS MiB':>13} {'cpu util':>9} {'load 1m':>10}")
     lines = [head, "-" * len(head)]
     contended = False
     for r in results:
         if r.error is not None:
-            lines.append(f"{r.system:<10} {r.dtype:<9} FAILED: {r.error.strip().splitlines()[-1]}")
+            lines.append(f"{r.system:<12} {r.dtype:<9} FAILED: {r.error.strip().splitlines()[-1]}")
             continue
         x = rel[(r.system, r.dtype)]
         load = f"{r.loadavg_1m[0]:.1f}>{r.loadavg_1m[1]:.1f}"
-        lines.append(f"{r.system:<10} {r.dtype:<9} {r.num_requests:>5} {r.output_tokens:>8} {r.wall_s:>8.2f} "
-                     f"{r.output_tok_s:>10.1f} {x.get('x_hf_cb', float('nan')):>8.2f} "
+        lines.append(f"{r.system:<12} {r.dtype:<9} {r.num_requests:>5} {r.output_tokens:>8} {r.wall_s:>8.2f} "
+                     f"{r.output_tok_s:>10.1f} {x.get('x_engine', float('nan')):>8.2f} "
+                     f"{x.get('x_hf_cb', float('nan')):>8.2f} "
                      f"{x.get('x_vllm', float('nan')):>7.2f} {r.peak_rss_mib:>13.0f} {r.cpu_util:>9.2f} "
                      f"{load:>10}")
         if "rss_check" in r.extra:
             c = r.extra["rss_check"]
-            lines.append(f"{'':<10} RSS (MiB) before and after each tenth of {c['requests']} more requests: "
+            lines.append(f"{'':<12} RSS (MiB) before and after each tenth of {c['requests']} more requests: "
                          + " ".join(f"{x:.0f}" for x in c["rss_curve_mib"]))
         contended |= max(r.loadavg_1m) > threads + 0.5
     if contended:

@@ -73,7 +73,8 @@ class EngineConfig:
     runtime: str = "torch"  # torch | onnxruntime | tensorrt
     device: str = "cpu"
     attention: str = "auto"  # torch runtime: kernel (CPU C++) | gather (the exported graph) | auto
-    gemm_backend: str = "auto"  # torch runtime: auto (measured per shape) | aten | onednn | aten_f32 | onednn_f32
+    gemm_backend: str = "auto"  # torch runtime: auto (measured per shape) | a tactic's name (runners/gemm.py)
+    quantization: str = "none"  # torch runtime, CPU: none | int8 (weights rounded per output channel at load)
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     q_tile: int = 16  # attention row width for prefill chunks (see backend/engine/batch.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

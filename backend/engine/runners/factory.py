@@ -13,7 +13,10 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
         from backend.engine.runners.torch_runner import TorchRunner
 
         return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
-                           config.gemm_backend)
+                           config.gemm_backend, config.quantization)
+    if config.quantization != "none":
+        raise ValueError(f"quantization: {config.quantization} is served by runtime torch only (the exported graph "
+                         f"carries float weights), not {config.runtime}")
     if config.attention == "kernel":
         raise ValueError(f"attention: the kernel is for runtime torch; {config.runtime} runs the gather graph")
     if config.runtime not in ("onnxruntime", "tensorrt"):

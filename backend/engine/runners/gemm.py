@@ -18,6 +18,15 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 - `aten`: `F.linear` on the weight in the model dtype (MKL for float32 on x86; oneDNN for bfloat16).
 - `onednn`: oneDNN with the weight prepacked once (`torch.ops.mkldnn._reorder_linear_weight`).
 - `aten_f32`, `onednn_f32`: the same on a float32 copy of a bfloat16/float16 weight (2x its memory).
+
+Quantized tactics (`quantization: int8`) change the numbers, so they never race the float ones: with int8 set,
+they are the only candidates. Both are weight-only (activations stay float) and symmetric (scale max|w| / 127):
+- `q8_0`: ours (kernels/q8_linear.cpp), llama.cpp's Q8_0 rounding (a scale per 32 weights along a row), the
+  weights widened to float in registers.
+- `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel.
+Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
+the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
+(Q8_0: 88 %), since a few activation channels are far larger than the rest.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
-BACKENDS = ("auto", "aten", "onednn", "aten_f32", "onednn_f32")
+QUANTIZATIONS = ("none", "int8")
 LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 _lock = threading.Lock()
@@ -63,34 +72,80 @@ def _in_f32(make: Callable[[torch.Tensor, torch.Tensor | None], Gemm]) -> Callab
     return prepare
 
 
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per output channel): w ~ q * scale, |q| <= 127."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_blocks(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight [N, K], float32 scales [N, K / block]): Q8_0, each run of `block` weights along a row rounded
+    with its own scale (round half to even)."""
+    n, k = weight.shape
+    if k % block:
+        raise RuntimeError(f"q8_0: in_features must be a multiple of {block}, got {k}")
+    w = weight.float().reshape(n, k // block, block)
+    amax = w.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(w * inv[..., None]).to(torch.int8).reshape(n, k), (amax / 127).contiguous()
+
+
+def _q8_0(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    packed, scales = torch.ops.llm_kernels.q8_0_pack(*int8_blocks(weight))
+    n, b = weight.shape[0], None if bias is None else bias.float()
+
+    def gemm(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.llm_kernels.q8_0_linear(x.float().contiguous(), packed, scales, n)
+        return (y if b is None else y + b).to(x.dtype)
+    return gemm
+
+
+def _aten_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+    q, scale = int8_per_channel(weight)
+    b = None if bias is None else bias.float()
+
+    def gemm(x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.float(), q, scale)
+        return (y if b is None else y + b).to(x.dtype)
+    return gemm
+
+
 @dataclass(frozen=True)
 class Tactic:
     name: str
     prepare: Callable[[torch.Tensor, torch.Tensor | None], Gemm]
     narrow_only: bool = False  # only for bfloat16 / float16 models
+    quantization: str = "none"  # the weights' rounding: only tactics of the engine's `quantization` race
 
 
 TACTICS = {t.name: t for t in (Tactic("aten", _aten), Tactic("onednn", _onednn),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
-                               Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True))}
+                               Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
+                               Tactic("q8_0", _q8_0, quantization="int8"),
+                               Tactic("aten_int8", _aten_int8, quantization="int8"))}
+BACKENDS = ("auto", *TACTICS)
 
 
 @functools.cache
 def why_not(name: str, dtype: torch.dtype) -> str | None:
     """None when tactic `name` runs `dtype` on this CPU, else why not (the error it raises on a tiny weight)."""
     try:
-        TACTICS[name].prepare(torch.ones(8, 8, dtype=dtype), None)(torch.ones(2, 8, dtype=dtype))
-    except RuntimeError as err:  # a oneDNN path this CPU (or a oneDNN build without it) cannot run
+        TACTICS[name].prepare(torch.ones(8, 32, dtype=dtype), None)(torch.ones(2, 32, dtype=dtype))
+    except Exception as err:  # a oneDNN path this CPU cannot run, or our kernels that do not build here
         return str(err).splitlines()[0]
     return None
 
 
-def candidates(dtype: torch.dtype, device: torch.device) -> list[str]:
-    """The tactics that run `dtype` here."""
+def candidates(dtype: torch.dtype, device: torch.device, quantization: str = "none") -> list[str]:
+    """The tactics of `quantization` that run `dtype` here."""
     if device.type != "cpu":
-        return ["aten"]
-    return [t.name for t in TACTICS.values()
-            if (dtype != torch.float32 or not t.narrow_only) and why_not(t.name, dtype) is None]
+        return ["aten"] if quantization == "none" else []
+    return [t.name for t in TACTICS.values() if t.quantization == quantization
+            and (dtype != torch.float32 or not t.narrow_only) and why_not(t.name, dtype) is None]
 
 
 @dataclass(frozen=True)
@@ -134,14 +189,21 @@ def cache_file() -> Path:
     return root / f"{cpu_tag()}-torch{torch.__version__}.json"
 
 
-def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backend: str = "auto") -> dict[Shape, str]:
-    """The tactic for each shape: `backend` itself when forced, else the fastest measured here."""
+def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backend: str = "auto",
+           quantization: str = "none") -> dict[Shape, str]:
+    """The tactic for each shape: `backend` itself when forced, else the fastest of `quantization`'s measured here."""
     if backend not in BACKENDS:
         raise ValueError(f"gemm_backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    names = candidates(dtype, device)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    names = candidates(dtype, device, quantization)
+    if not names:
+        raise ValueError(f"quantization: {quantization} has no tactic on {device.type} (CPU only)")
     if backend != "auto":
         if backend not in names:
-            why = why_not(backend, dtype) if device.type == "cpu" else "CPU only"
+            why = (f"not a {quantization} tactic (quantization: {quantization})"
+                   if TACTICS[backend].quantization != quantization else
+                   why_not(backend, dtype) if device.type == "cpu" else "CPU only")
             raise ValueError(f"gemm_backend: {backend} cannot run {str(dtype).removeprefix('torch.')} on this "
                              f"{device.type} ({why}); candidates: {names}")
         return {s: backend for s in shapes}
@@ -172,14 +234,15 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     return {k: v["choice"] for k, v in chosen.items()}
 
 
-def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto") -> dict[Shape, str]:
+def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none"
+                ) -> dict[Shape, str]:
     """Give every nn.Linear of `model` its tactic as `linear.gemm`; a tactic that keeps its own copy of the
-    weight (packed or float32) releases the module's."""
+    weight (packed, float32 or int8) releases the module's."""
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     shapes = {name: Shape(m.out_features, m.in_features, HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS)
               for name, m in linears.items()}
     dtype = next(iter(linears.values())).weight.dtype
-    chosen = choose(sorted(set(shapes.values()), key=lambda s: s.key), dtype, device, backend)
+    chosen = choose(sorted(set(shapes.values()), key=lambda s: s.key), dtype, device, backend, quantization)
     for name, linear in linears.items():
         tactic = chosen[shapes[name]]
         linear.gemm = TACTICS[tactic].prepare(linear.weight, linear.bias)

@@ -3,7 +3,8 @@
 `attention` picks how the model reads the paged cache (see models/llama.py): "kernel", the CPU
 C++ kernel; "gather", the graph that ONNX Runtime and TensorRT run; "auto", the kernel on the CPU
 when it builds here, else the gather (with a warning that says why). `gemm_backend` picks each Linear's
-GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic name forces it.
+GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic name forces it; `quantization`
+"int8" makes the candidates the int8 tactics (weights rounded at load, float copies released).
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def resolve_attention(attention: str, device: torch.device) -> str:
 
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 attention: str = "auto", gemm_backend: str = "auto"):
+                 attention: str = "auto", gemm_backend: str = "auto", quantization: str = "none"):
         self.device = torch.device(device)
         self.attention = resolve_attention(attention, self.device)
         self.model = load_model(model_dir, torch_dtype(dtype), self.device)
-        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend)
+        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization)
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device)

@@ -1,0 +1,133 @@
+"""What `quantization: int8` costs in quality and gives in GEMM speed, next to float32, on one model (SmolLM2 by
+default), named CPU.
+
+Quality, each int8 tactic forced (backend/engine/runners/gemm.py), teacher-forced in one prefill per text:
+- perplexity on a fixed text every Python install ships (its LICENSE.txt, first `--tokens` tokens);
+- top-1 agreement with float32 over float32's own greedy outputs of fixed prompts (8 prompts x 64 tokens), and the
+  largest |logit difference| there.
+Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8)
+do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN prepacked vs
+each int8 tactic.
+
+    python -m load_tests.bench_quantization [--model DIR] [--tokens 1024] [--out results/quantization.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from load_tests.machine import cpu_summary
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["The history of the printing press", "def fibonacci(n):", "Explain photosynthesis to a child.",
+           "List three uses of copper.", "The capital of France is", "Once upon a time, in a quiet village,",
+           "SELECT name FROM users WHERE", "Water boils at"]
+GREEDY_TOKENS = 64
+TOKEN_COUNTS = (1, 16, 64)
+
+
+def fixed_text() -> str:
+    return (Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" /
+            "LICENSE.txt").read_text()
+
+
+def all_logits(runner, tokens: list[int]) -> torch.Tensor:
+    from backend.engine.batch import build_model_input
+    from backend.engine.kv_cache import KVCacheManager
+    from backend.engine.sampling import SamplingParams
+    from backend.engine.sequence import Sequence
+
+    kv = KVCacheManager(runner.num_blocks, 16, enable_prefix_caching=False)
+    seq = Sequence("0", tokens, SamplingParams(), 0)
+    assert kv.allocate(seq, len(tokens))
+    return runner.forward(build_model_input([(seq, len(tokens))], 16, 64, [len(tokens)]))
+
+
+def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
+    from backend.engine import EngineConfig, LLMEngine
+    from backend.engine.runners import gemm
+    from backend.engine.runners.torch_runner import TorchRunner
+    from backend.engine.sampling import SamplingParams
+    from backend.serving.tokenizer import encode, load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    text = tokenizer(fixed_text())["input_ids"][:max_tokens]
+    prompts = [encode(tokenizer, p, True) for p in PROMPTS]
+    greedy = LLMEngine(EngineConfig.create(model=str(model))).generate(
+        prompts, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    blocks = 2 * (max_tokens + 16 * GREEDY_TOKENS) // 16
+
+    def measure(runner) -> dict[str, object]:
+        logits = all_logits(runner, text)
+        nll = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(text[1:])[:, None]).mean()
+        outs = [all_logits(runner, p + g)[len(p) - 1:-1] for p, g in zip(prompts, greedy)]
+        return {"perplexity": float(nll.exp()), "logits": outs}
+
+    reference = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend="onednn"))
+    report = {"float32": {"perplexity": round(reference["perplexity"], 4)}}
+    for tactic in (n for n, t in gemm.TACTICS.items() if t.quantization == "int8"):
+        got = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend=tactic, quantization="int8"))
+        agree = [float((q.argmax(-1) == torch.tensor(g)).float().mean()) for q, g in zip(got["logits"], greedy)]
+        error = max(float((q - r).abs().max()) for q, r in zip(got["logits"], reference["logits"]))
+        report[tactic] = {"perplexity": round(got["perplexity"], 4), "top1_agreement": round(statistics.fmean(agree), 4),
+                          "max_abs_logit_error": round(error, 3)}
+        print(f"  {tactic}: {report[tactic]}", flush=True)
+    return report
+
+
+def gemm_speed(layers: int = 30) -> dict[str, dict[int, float]]:
+    """ms per pass over `layers` layers of SmolLM2's Linear shapes, weights in as many copies as keep them past the
+    caches (each pass reads its weights from DRAM, as a decode step does)."""
+    from backend.engine.runners import gemm
+
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    result: dict[str, dict[int, float]] = {}
+    for name in ("onednn", *(n for n, t in gemm.TACTICS.items() if t.quantization == "int8")):
+        g = torch.Generator().manual_seed(0)
+        gemms = [[gemm.TACTICS[name].prepare(torch.randn(n, k, generator=g) * 0.02, None) for n, k in shapes]
+                 for _ in range(layers)]
+        result[name] = {}
+        for m in TOKEN_COUNTS:
+            xs = {k: torch.randn(m, k) for _, k in shapes}
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for layer in gemms:
+                    for run, (_, k) in zip(layer, shapes):
+                        run(xs[k])
+                times.append(time.perf_counter() - start)
+            result[name][m] = round(1000 * statistics.median(times[1:]), 2)
+        print(f"  {name}: ms per pass at {TOKEN_COUNTS} tokens: {list(result[name].values())}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=REPO / ".cache" / "models" / "SmolLM2-135M-Instruct")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("results/quantization.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_summary()} | {args.threads} threads | {args.model.name}", flush=True)
+    print("quality (teacher-forced):", flush=True)
+    report = {"cpu": cpu_summary(), "threads": args.threads, "model": args.model.name,
+              "quality": quality(args.model, args.tokens)}
+    print("GEMM speed (30 layers of SmolLM2's Linear shapes):", flush=True)
+    report["gemm_ms"] = speed = gemm_speed()
+    for name, row in speed.items():
+        print(f"  {name:<10} " + "  ".join(f"{m} tok: {ms:7.2f} ms ({speed['onednn'][m] / ms:.2f}x float32)"
+                                            for m, ms in row.items()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
