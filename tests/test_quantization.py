@@ -1,11 +1,12 @@
-"""`quantization: int8` (backend/engine/runners/gemm.py): the Q8_0 kernel against exact float64 math on its own
+"""`quantization: int8` (backend/engine/runners/gemm.py): the Q8_0 kernels against exact float64 math on their own
 rounding, each int8 tactic forced against the float32 model within stated bounds, the refusals by name, and the
 process's memory shrinking by what the weights shrank.
 
 Bounds (teacher-forced over 200 fixed tokens, the tiny seeded random Llama; its logits have std ~4 and are far
 more sensitive to rounding than a trained model's: on SmolLM2 Q8_0 keeps the float32 argmax at 90 % of such
 positions with a mean relative logit error of 0.7 %, load_tests/bench_quantization.py):
-- the kernel vs x @ dequantized(W) in float64: 1e-5 relative (only float32 sums differ);
+- the kernels vs x @ dequantized(W) (q8_0) or dequantized(x) @ dequantized(W) (q8_0_w8a8) in float64: 1e-5
+  relative (only float32 sums differ);
 - each int8 tactic vs float32: relative L2 error of a position's logits 0.12 on average (measured 0.07), the
   argmax kept at >= 75 % of positions (measured 82-83 %).
 """
@@ -59,6 +60,22 @@ def test_q8_0_kernel_is_exact_math_on_its_rounding(m, n, k):
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("m, n, k", [(1, 960, 576), (3, 7, 64), (16, 1536, 576), (13, 49, 96), (64, 3071, 576)])
+def test_q8_0_w8a8_is_exact_math_on_its_rounding_or_refused_without_vnni(m, n, k):
+    """Both operands rounded to Q8_0 (the activations per call): exact int8 products, float scales and sums. A build
+    for a CPU without AVX512-VNNI (an AMD Zen 3, or LLM_KERNEL_MARCH=x86-64-v3) refuses it by name instead."""
+    if "q8_0_w8a8" not in gemm.candidates(torch.float32, torch.device("cpu"), "int8"):
+        assert "needs AVX512-VNNI" in gemm.why_not("q8_0_w8a8", torch.float32)
+        return
+    g = torch.Generator().manual_seed(m * n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05
+    y = gemm.TACTICS["q8_0_w8a8"].prepare(w, None)(x)
+    (xq, xs), (wq, ws) = gemm.int8_blocks(x), gemm.int8_blocks(w)
+    reference = ((xq.double().reshape(m, -1, 32) * xs.double()[..., None]).reshape(m, k)
+                 @ (wq.double().reshape(n, -1, 32) * ws.double()[..., None]).reshape(n, k).T)
+    assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def float_logits(tiny_model_dir) -> torch.Tensor:
     return all_logits(TorchRunner(tiny_model_dir, "float32", 64, 16, gemm_backend="aten"))
@@ -66,6 +83,10 @@ def float_logits(tiny_model_dir) -> torch.Tensor:
 
 @pytest.mark.parametrize("tactic", INT8_TACTICS)
 def test_each_int8_tactic_forced_is_within_its_bounds(tiny_model_dir, float_logits, tactic):
+    if tactic not in gemm.candidates(torch.float32, torch.device("cpu"), "int8"):
+        with pytest.raises(ValueError, match=f"gemm_backend: {tactic} cannot run float32 on this cpu"):
+            TorchRunner(tiny_model_dir, "float32", 64, 16, gemm_backend=tactic, quantization="int8")
+        return
     runner = TorchRunner(tiny_model_dir, "float32", 64, 16, gemm_backend=tactic, quantization="int8")
     assert set(runner.gemm_tactics.values()) == {tactic}
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear)), \

@@ -23,6 +23,8 @@ Quantized tactics (`quantization: int8`) change the numbers, so they never race 
 they are the only candidates. Both are weight-only (activations stay float) and symmetric (scale max|w| / 127):
 - `q8_0`: ours (kernels/q8_linear.cpp), llama.cpp's Q8_0 rounding (a scale per 32 weights along a row), the
   weights widened to float in registers.
+- `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
+  values of a row per scale), in int8 arithmetic (AVX512-VNNI only): llama.cpp's Q8_0 x Q8_0.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel.
 Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
 the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
@@ -114,6 +116,26 @@ def _aten_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     return gemm
 
 
+def _q8_0_w8a8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    q, scales = int8_blocks(weight)
+    (n, k), panels = q.shape, -(-q.shape[0] // 16)
+    q = torch.cat([q, q.new_zeros(panels * 16 - n, k)])  # whole panels of 16 output channels
+    scales = torch.cat([scales, scales.new_zeros(panels * 16 - n, k // 32)])
+    packed = q.view(panels, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
+    block_scales = scales.view(panels, 16, k // 32).transpose(1, 2).contiguous()
+    # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
+    comp = (-128 * q.view(panels, 16, k // 32, 32).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
+    b = None if bias is None else bias.float()
+
+    def gemm(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.llm_kernels.q8_0_w8a8_linear(x.float().contiguous(), packed, block_scales, comp, n)
+        return (y if b is None else y + b).to(x.dtype)
+    return gemm
+
+
 @dataclass(frozen=True)
 class Tactic:
     name: str
@@ -126,6 +148,7 @@ TACTICS = {t.name: t for t in (Tactic("aten", _aten), Tactic("onednn", _onednn),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
                                Tactic("q8_0", _q8_0, quantization="int8"),
+                               Tactic("q8_0_w8a8", _q8_0_w8a8, quantization="int8"),
                                Tactic("aten_int8", _aten_int8, quantization="int8"))}
 BACKENDS = ("auto", *TACTICS)
 
