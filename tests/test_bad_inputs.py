@@ -56,6 +56,7 @@ OUT_OF_RANGE = {
     "min_p": (-0.1, 1.5),  # in [0, 1]
     "num_return_sequences": (0, 17),  # in [1, 16]
     "top_logprobs": (-1, 21),  # in [0, 20]
+    "prompt_logprobs": (-1, 21),  # in [0, 20]
 }
 # ... and the numeric inputs that take any value of their datatype (finite, for FP32).
 ANY_VALUE = {"pad_id", "priority", "seed", "presence_penalty", "frequency_penalty"}
