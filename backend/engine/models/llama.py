@@ -4,7 +4,7 @@
 padding per sequence, no Python loop over sequences, no shape computed from data. That is what
 lets `build_engine` export this very module to ONNX, and ONNX Runtime / TensorRT run it.
 
-Attention reads the paged cache through block tables, in one of two ways:
+Attention reads the paged cache through block tables, in one of three ways:
 - RowLayout (the graph every runtime shares, and the reference): gather only. The new tokens' K/V
   are returned, not written: the runner writes them in place at `slot_mapping` after the forward, so
   the compiled graph never copies the cache. Inside the graph, each attention row gets the new keys
@@ -12,6 +12,8 @@ Attention reads the paged cache through block tables, in one of two ways:
 - KernelLayout (eager PyTorch on the CPU): the new K/V go into the cache first, then a C++ kernel
   (backend/engine/kernels/) reads each sequence's blocks in place. Same math; the gather path pays for
   the longest sequence of the batch in every row, the kernel only for each row's own context.
+- TritonLayout (eager PyTorch or a CUDA graph on the GPU): the same, with OpenAI Triton kernels
+  (backend/engine/kernels/triton_attention.py) and TritonOps for the elementwise ops.
 
 Layout of a row (see backend/engine/batch.py): up to Q query tokens of one sequence, and that sequence's
 keys at positions 0..C-1, C = blocks per row * block_size. A query at position p sees keys c <= p.
@@ -164,6 +166,38 @@ class KernelOps:
         return torch.ops.llm_kernels.silu_mul(gate_up)
 
 
+class TritonOps:
+    """TorchOps as OpenAI Triton kernels for the GPU (backend/engine/kernels/triton_ops.py); residual and q/k change
+    in place."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        from backend.engine.kernels import triton_ops
+
+        return triton_ops.rms_norm(x, norm.weight, norm.eps)
+
+    @staticmethod
+    def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        from backend.engine.kernels import triton_ops
+
+        return residual, triton_ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
+
+    @staticmethod
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from backend.engine.kernels import triton_ops
+
+        triton_ops.rotary(q, k, cos, sin)
+        return q, k
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        from backend.engine.kernels import triton_ops
+
+        return triton_ops.silu_mul(gate_up)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -206,6 +240,7 @@ class RowLayout:
     kv_src: torch.Tensor  # [P] flat token whose new K/V go to ...
     kv_dst: torch.Tensor  # [P] ... key slot r * C + position of its row
     token_slot: torch.Tensor  # [T] r * Q + j: where each flat token's output sits
+    ops = TorchOps
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         return _gather_attention(q, k, v, cache_k, cache_v, self, cfg)
@@ -219,6 +254,7 @@ class KernelLayout:
     query_start: torch.Tensor  # [S + 1]
     context_lens: torch.Tensor  # [S]
     slot_mapping: torch.Tensor  # [T]
+    ops = KernelOps
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         from backend.engine.kernels.cpu_kernels import paged_attention
@@ -229,6 +265,28 @@ class KernelLayout:
         out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
                               D ** -0.5)
         return out.view(q.shape[0], cfg.num_heads * D)
+
+
+@dataclass
+class TritonLayout:
+    """Per-sequence paging inputs of the GPU kernels (eager or in a CUDA graph; not part of the exported graph).
+    A slot < 0 (a padded row of a CUDA graph) writes nothing; a context of 0 attends to nothing."""
+
+    block_tables: torch.Tensor  # [S, B] int64
+    query_start: torch.Tensor  # [S + 1]
+    context_lens: torch.Tensor  # [S]
+    slot_mapping: torch.Tensor  # [T]
+    max_query_len: int  # the longest chunk (the grid's size)
+    segments: int  # context segments per program (kernels/triton_attention.py segments_for)
+    ops = TritonOps
+
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
+        from backend.engine.kernels.triton_attention import paged_attention, write_kv
+
+        write_kv(k, v, cache_k, cache_v, self.slot_mapping)
+        out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
+                              cfg.head_dim ** -0.5, self.max_query_len, self.segments)
+        return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
 def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig):
@@ -276,7 +334,7 @@ class PagedLlama(nn.Module):
         token_slot: torch.Tensor,  # [T]
         logits_index: torch.Tensor,  # [L] the tokens whose logits are returned
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`)
-        kernel: KernelLayout | None = None,  # attend with the CPU kernel, which writes the new K/V itself
+        kernel: KernelLayout | TritonLayout | None = None,  # attend with a kernel, which writes the new K/V itself
         between_layers: Callable[[], None] | None = None,  # eager only: called after each layer but the last
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (logits [L, vocab] of the tokens at `logits_index`, new K/V [L, 2, T, KVH, D]); with
@@ -284,7 +342,7 @@ class PagedLlama(nn.Module):
         another forward over other sequences' blocks (the engine's cut-in): this one keeps its state in locals."""
         rows = kernel or RowLayout(row_block_tables, row_token_index, positions[row_token_index], kv_src, kv_dst,
                                    token_slot)
-        ops = KernelOps if kernel is not None else TorchOps
+        ops = rows.ops
         x = self.embed_tokens(token_ids)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
@@ -307,14 +365,17 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> PagedLlama:
-    """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load)."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+               state: dict[str, torch.Tensor] | None = None) -> PagedLlama:
+    """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load), or from the folder's
+    config and an HF `state` dict already in memory (a GPU benchmark's random weights, never written to disk)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     cos, sin = rope_tables(model_dir, cfg.max_position_embeddings)
-    state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(model_dir):
-        state.update(load_file(str(f)))
+    if state is None:
+        state = {}
+        for f in _weight_files(model_dir):
+            state.update(load_file(str(f)))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     fused: dict[str, torch.Tensor] = {
         "embed_tokens.weight": state["embed_tokens.weight"],
