@@ -72,7 +72,8 @@ class EngineConfig:
     dtype: str = "float32"
     runtime: str = "torch"  # torch | onnxruntime | tensorrt
     device: str = "cpu"
-    attention: str = "auto"  # torch runtime: kernel (CPU C++) | gather (the exported graph) | auto
+    attention: str = "auto"  # torch runtime: kernel (CPU C++) | triton (GPU) | gather (the exported graph) | auto
+    cuda_graphs: bool = True  # torch runtime on CUDA with triton attention: decode steps replay CUDA graphs
     gemm_backend: str = "auto"  # torch runtime: auto (measured per shape) | a tactic's name (runners/gemm.py)
     quantization: str = "none"  # torch runtime, CPU: none | int8 (weights rounded per output channel at load)
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt

@@ -235,4 +235,4 @@ def apply_masks(logits: torch.Tensor, rows: dict[int, GrammarState]) -> None:
     # 0 where allowed, -inf where not, by integer ops on the bits (1 -> 0x00000000, 0 -> 0xFF800000) and added
     # row by row: 3x faster than masked_fill_ on 64 rows of 49k (6.7 ms, 2 threads, AMD EPYC Zen 4)
     penalty = torch.from_numpy(allowed).to(torch.int32).sub_(1).bitwise_and_(NEG_INF_BITS).view(torch.float32)
-    logits.index_add_(0, torch.tensor(indices), penalty)
+    logits.index_add_(0, torch.tensor(indices, device=logits.device), penalty.to(logits.device))

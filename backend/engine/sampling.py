@@ -88,11 +88,13 @@ class SamplingParams:
 
 @dataclass
 class SamplingState:
-    """Per-sequence sampler state: the generator that makes seeded sampling batch-independent, and the matcher
-    of a guided request."""
+    """Per-sequence sampler state: the seed of the generator that makes seeded sampling batch-independent (drawn at
+    creation when the request names none; None for greedy), and the matcher of a guided request. The generator
+    lives where the logits do (CPU or GPU) and is made there on first use."""
 
-    generator: torch.Generator | None = None
+    seed: int | None = None
     grammar: GrammarState | None = None
+    _generator: torch.Generator | None = None
 
     @property
     def ready(self) -> bool:
@@ -103,12 +105,12 @@ class SamplingState:
     def create(cls, params: SamplingParams) -> "SamplingState":
         if params.greedy:
             return cls()
-        g = torch.Generator()
-        if params.seed is not None:
-            g.manual_seed(params.seed)
-        else:
-            g.seed()
-        return cls(generator=g)
+        return cls(seed=params.seed if params.seed is not None else torch.Generator().seed())
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device).manual_seed(self.seed)
+        return self._generator
 
 
 @dataclass
@@ -135,29 +137,39 @@ class SamplerRow:
 def _apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
     p = row.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if row.output_ids and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.unique(torch.tensor(row.output_ids, dtype=torch.long), return_counts=True)
+        ids, counts = torch.unique(torch.tensor(row.output_ids, dtype=torch.long, device=logits.device),
+                                   return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits with min_p, top-k and top-p applied (dropped tokens at -inf)."""
-    top_k, top_p = params.top_k, params.top_p
-    if params.min_p > 0.0:
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows of logits [R, V], each scaled by its temperature, with its min_p, top-k and top-p applied (dropped tokens
+    at -inf): batched over the rows (a row with a filter off is left as it is)."""
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+    logits = logits / column([p.temperature for p in params])
+    if any(p.min_p > 0.0 for p in params):
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(probs < column([p.min_p for p in params]) * probs.max(-1, keepdim=True).values,
+                                    float("-inf"))
+    V = logits.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    if any(ks):
+        values = torch.topk(logits, max(ks), dim=-1).values
+        kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None])
+        kth = kth.masked_fill(column(ks) == 0, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
+    if any(p.top_p < 1.0 for p in params):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = column([p.top_p for p in params])
+        drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)  # keep the smallest set reaching top_p
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 
@@ -193,7 +205,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows_per_p
 
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
-    """Pick one token per row of `logits` [S, V] (float32), with the logprobs each row asks for."""
+    """Pick one token per row of `logits` [S, V] (float32, on the CPU or the GPU), with the logprobs each row asks
+    for. The picks (and their logprobs) reach the host in one copy."""
     logits = logits.float()
     want_logprobs = any(r.params.logprobs or r.params.top_logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -208,22 +221,28 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
                 _apply_penalties(processed[i], row)
             if row.banned_ids:
                 processed[i, row.banned_ids] = float("-inf")
-    tokens = processed.argmax(dim=-1).tolist()
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.greedy:
-            continue
-        scaled = _filter(processed[i] / p.temperature, p)
-        probs = torch.softmax(scaled, dim=-1)
-        # Exponential race == multinomial draw, one generator call per row and step.
-        noise = torch.empty_like(probs).exponential_(generator=row.state.generator)
-        tokens[i] = int((probs / noise).argmax())
+    picks = processed.argmax(dim=-1)
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        probs = torch.softmax(_filter(processed[drawn], [rows[i].params for i in drawn]), dim=-1)
+        # Exponential race == multinomial draw: one generator call per row and step, from the row's own generator
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(drawn):
+            noise[j].exponential_(generator=rows[i].state.generator(probs.device))
+        picks[drawn] = (probs / noise).argmax(dim=-1)
+    columns = [picks]
     if guided:  # a row whose every token is masked or banned picks one at -inf: it has none
-        picked = processed[list(guided), [tokens[i] for i in guided]]
-        for i, value in zip(guided, picked.tolist()):
-            if value == float("-inf"):
+        columns.append(processed.gather(1, picks[:, None])[:, 0])
+    if raw_logprobs is not None:
+        columns.append(raw_logprobs.gather(1, picks[:, None])[:, 0])
+    host = torch.stack([c.double() for c in columns]).tolist()  # the one copy (float64 holds every id exactly)
+    tokens = [int(t) for t in host[0]]
+    if guided:
+        for i in guided:
+            if host[1][i] == float("-inf"):
                 tokens[i] = NO_TOKEN
     if raw_logprobs is None:
         return [Sampled(t) for t in tokens]
-    return [Sampled(t, float(raw_logprobs[i, t]) if r.params.logprobs and t != NO_TOKEN else None, top)
+    picked = host[-1]
+    return [Sampled(t, picked[i] if r.params.logprobs and t != NO_TOKEN else None, top)
             for i, (t, r, top) in enumerate(zip(tokens, rows, _top_logprobs(raw_logprobs, tokens, rows)))]

@@ -3,12 +3,23 @@
 
 from __future__ import annotations
 
+import logging
+
 from backend.engine.config import EngineConfig
 from backend.engine.runners.base import Runner
+
+log = logging.getLogger(__name__)
 
 
 def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     block_size = config.cache.block_size
+    if config.runtime == "torch" and config.device.startswith("cuda") and config.attention in ("auto", "triton") \
+            and config.quantization == "none" and triton_error(config.attention) is None:
+        from backend.engine.runners.cuda_runner import CudaRunner
+
+        sched = config.scheduler
+        return CudaRunner.load(config.model, config.dtype, num_blocks, block_size, sched.max_num_seqs,
+                               sched.max_model_len, config.cuda_graphs, config.device)
     if config.runtime == "torch":
         from backend.engine.runners.torch_runner import TorchRunner
 
@@ -34,3 +45,16 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     return TensorRTRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size,
                           max_num_tokens=sched.max_num_batched_tokens,
                           q_tile=config.q_tile, max_model_len=sched.max_model_len, device=config.device)
+
+
+def triton_error(attention: str) -> str | None:
+    """Why the GPU kernels cannot run here (OpenAI Triton missing), None when they can; raised when asked for by
+    name, a warning for `auto`, which then runs the gather graph."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        if attention == "triton":
+            raise ValueError(f"attention: triton needs the `triton` package ({e})") from e
+        log.warning("attention: OpenAI Triton is not installed (%s); using the gather path on the GPU", e)
+        return str(e)
+    return None

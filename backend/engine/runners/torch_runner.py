@@ -2,7 +2,8 @@
 
 `attention` picks how the model reads the paged cache (see models/llama.py): "kernel", the CPU
 C++ kernel; "gather", the graph that ONNX Runtime and TensorRT run; "auto", the kernel on the CPU
-when it builds here, else the gather (with a warning that says why). `gemm_backend` picks each Linear's
+when it builds here, else the gather (with a warning that says why). On CUDA, "auto" and "triton" run
+runners/cuda_runner.py instead (factory.py); this runner serves CUDA with the gather. `gemm_backend` picks each Linear's
 GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic name forces it; `quantization`
 "int8" makes the candidates the int8 tactics (weights rounded at load, float copies released).
 """
@@ -21,12 +22,14 @@ from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_ne
 from backend.engine.runners.gemm import use_tactics
 
 log = logging.getLogger(__name__)
-ATTENTION = ("auto", "kernel", "gather")
+ATTENTION = ("auto", "kernel", "gather", "triton")
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
     if attention not in ATTENTION:
         raise ValueError(f"attention: expected one of {list(ATTENTION)}, got {attention!r}")
+    if attention == "triton":
+        raise ValueError(f"attention: triton (the GPU kernels) runs on CUDA only, not on {device}")
     if attention == "gather" or (attention == "auto" and device.type != "cpu"):
         return "gather"
     if device.type != "cpu":
