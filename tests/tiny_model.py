@@ -30,9 +30,10 @@ TINY_LLAMA = {
 }
 
 
-def make_tiny_llama(path: Path, seed: int = 0, **config_overrides: object) -> Path:
-    """Save a seeded random LlamaForCausalLM (float32 safetensors) plus SmolLM2's tokenizer into `path`."""
-    smollm2 = prepare_default_model(verbose=False)
+def make_tiny_llama(path: Path, seed: int = 0, smollm2: Path | None = None, **config_overrides: object) -> Path:
+    """Save a seeded random LlamaForCausalLM (float32 safetensors) plus SmolLM2's tokenizer into `path`, taken from
+    `smollm2` (a folder with its config and tokenizer files) or the converted default model."""
+    smollm2 = smollm2 or prepare_default_model(verbose=False)
     smollm2_config = json.loads((smollm2 / "config.json").read_text())
     vocab = {key: smollm2_config[key] for key in VOCAB_KEYS}
     save_random_llama(path, LlamaConfig(**{**vocab, **TINY_LLAMA, **config_overrides}), seed)

@@ -1,9 +1,10 @@
 """The elementwise ops around the GEMMs as OpenAI Triton kernels for the GPU, one pass each: RMSNorm (with the
 residual add fused, the residual updated in place), rotary (q and k in place), SiLU(gate) * up.
 
-Each rounds where TorchOps (models/llama.py, HF's math) rounds, so a bfloat16 or float16 model gives the same
-values as the torch ops, not merely close ones: the math runs in float32 and every intermediate that torch
-would store in the model dtype is cast to it. They run under `TRITON_INTERPRET=1` on CPU tensors too.
+Each rounds where TorchOps (models/llama.py, HF's math) rounds: the math runs in float32 and every intermediate
+that torch would store in the model dtype is cast to it, so a bfloat16 or float16 result differs from the torch
+ops' by at most one rounding step of the dtype (float32: the order of a sum). They run under `TRITON_INTERPRET=1`
+on CPU tensors too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The runner contract: one forward over a flat batch, KV cache owned by the runner.
 
-`forward(batch, between_layers)` returns float32 logits [L, vocab] (on the host) for the tokens at
+`forward(batch, between_layers)` returns float32 logits [L, vocab] (on the host; on the GPU for the CUDA runner,
+whose logits the sampler reads there) for the tokens at
 `batch.logits_index` (each sequence's last token, and more where it asks: batch.py) and writes the batch's new K/V into the runner's cache at `batch.slot_mapping`. A runner that runs
 the model layer by layer (PyTorch) calls `between_layers`, when given, between its layers; a compiled graph
 (ONNX Runtime, TensorRT) runs whole and never calls it. The cache,
