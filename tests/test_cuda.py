@@ -33,7 +33,7 @@ def hf_outputs(random_llama_dir):
 
 
 def engine(model_dir, **settings) -> LLMEngine:
-    return LLMEngine(EngineConfig.create(model=str(model_dir), device="cuda", num_kv_blocks=256, **settings))
+    return LLMEngine(EngineConfig.create(model=str(model_dir), device="cuda", **{"num_kv_blocks": 256, **settings}))
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
@@ -45,6 +45,17 @@ def test_greedy_equals_hf(random_llama_dir, hf_outputs, cuda_graphs, max_num_bat
     assert sorted(eng.runner.graphs) == ([1, 2, 4, 8] if cuda_graphs else [])
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     assert outs == hf_outputs
+    assert eng.kv.num_used_blocks == 0
+
+
+def test_preemption_and_prefix_cache_on_the_gpu(random_llama_dir, hf_outputs):
+    """A pool too small for the batch (sequences preempted and recomputed), then the same prompts again (their full
+    blocks from the prefix cache): the same tokens as HF, every block free after."""
+    eng = engine(random_llama_dir, max_num_seqs=8, block_size=8, num_kv_blocks=24, max_num_batched_tokens=64)
+    assert eng.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == hf_outputs
+    assert eng.stats().num_preemptions > 0
+    assert eng.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == hf_outputs
+    assert eng.stats().prefix_cache_hit_rate > 0
     assert eng.kv.num_used_blocks == 0
 
 
