@@ -237,8 +237,17 @@ def triton_system(repo: Path, model: str, timeout: float) -> Iterator[System]:
             pool.close()
 
 
-def ours_repository(tmp: Path, model_dir: Path) -> Path:
-    return configure_repository(tmp / "ours", {m: {"model": str(model_dir)} for m in SERVED}, models=SERVED)
+def ours_repository(tmp: Path, model_dir: Path, llm_settings: dict[str, str] | None = None) -> Path:
+    """Our repository on `model_dir`; `llm_settings` (config.pbtxt parameters of the llm) change its defaults."""
+    params = {m: {"model": str(model_dir)} for m in SERVED}
+    params["llm"].update(llm_settings or {})
+    return configure_repository(tmp / "ours", params, models=SERVED)
+
+
+def llm_settings(system: str) -> dict[str, str]:
+    """`ours@stream_interval=4+max_num_seqs=32` -> the llm settings it names."""
+    _, _, settings = system.partition("@")
+    return dict(item.split("=", 1) for item in settings.split("+") if item)
 
 
 def static_repository(tmp: Path, model_dir: Path, dtype: str) -> Path:
@@ -337,9 +346,11 @@ def summary(results: list[RateResult], systems: list[str], rates: list[float],
                                          round(r.client_cpu_s / max(r.duration_s, 1e-9), 2))
                                      for s, r in bursts.items()},
                  "offline_engine": asdict(offline) if offline else None}
-    if "ours" in bursts and offline:
-        out["served_over_offline"] = round(bursts["ours"].output_tok_s / offline.tok_s, 3)
-        out["served_over_offline_per_cpu_s"] = round(bursts["ours"].tok_per_cpu_s / offline.tok_per_cpu_s, 3)
+    for name, burst in bursts.items():  # ours, and ours@settings: served_over_offline@settings
+        if name.partition("@")[0] == "ours" and offline:
+            variant = name[len("ours"):]
+            out[f"served_over_offline{variant}"] = round(burst.output_tok_s / offline.tok_s, 3)
+            out[f"served_over_offline_per_cpu_s{variant}"] = round(burst.tok_per_cpu_s / offline.tok_per_cpu_s, 3)
     if "ours" in sustainable and "static" in sustainable:
         ours, static = sustainable["ours"], sustainable["static"]
         if ours and static:
@@ -382,6 +393,7 @@ def markdown(results: list[RateResult], info: dict, totals: dict) -> str:
                      f"({offline['tok_per_cpu_s']:.1f} per CPU-s). Served over offline: "
                      f"{totals.get('served_over_offline', 'n/a')} in tok/s (target >= {TARGET_OVERHEAD:g}), "
                      f"{totals.get('served_over_offline_per_cpu_s', 'n/a')} in tok per CPU-s")
+        lines += [f"- {key}: {value}" for key, value in totals.items() if key.startswith("served_over_offline@")]
     failures = [(r.system, _rate(r.rate), f) for r in results for f in r.failures]
     for system, rate, message in failures[:10]:
         lines.append(f"- failure ({system}, rate {rate}): {message}")
@@ -466,7 +478,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64, help="requests per rate (and in the burst)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="stop new arrivals of a rate after this")
     p.add_argument("--request-timeout", type=float, default=300.0, help="longest wait for any one response")
-    p.add_argument("--systems", default="ours,static", help="comma list from ours,static")
+    p.add_argument("--systems", default="ours,static",
+                   help="comma list from ours,static; ours@KEY=VALUE+KEY=VALUE is ours with those llm settings "
+                        "(config.pbtxt parameters), e.g. ours@stream_interval=4")
     p.add_argument("--endpoint", default="llm", choices=["llm", "llm_bls", "ensemble"],
                    help="our model clients call")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU from .venv-vllm")
@@ -481,7 +495,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.rates = sorted(float(r) for r in args.rates.split(","))
     args.systems = [s for s in args.systems.split(",") if s] + (["vllm"] if args.vllm else [])
-    if unknown := set(args.systems) - set(SYSTEMS):
+    if unknown := {s.partition("@")[0] for s in args.systems} - set(SYSTEMS):
         p.error(f"unknown systems: {sorted(unknown)}")
     if args.cdf_rate is None:
         args.cdf_rate = args.rates[len(args.rates) // 2]
@@ -525,8 +539,10 @@ def main(argv: list[str] | None = None) -> None:
         for system in args.systems:
             print(f"[{system}]", file=sys.stderr, flush=True)
             wait_for_idle(args.wait_idle)
+            start = systems[system] if system in systems else lambda: triton_system(
+                ours_repository(tmp / system, model_dir, llm_settings(system)), args.endpoint, args.request_timeout)
             try:
-                with systems[system]() as served:
+                with start() as served:
                     results += run_system_rates(system, served, warmup, workloads, args.max_seconds,
                                                 args.seed)
             except (RuntimeError, TimeoutError, OSError) as err:  # one system failing keeps the others

@@ -57,6 +57,7 @@ OUT_OF_RANGE = {
     "num_return_sequences": (0, 17),  # in [1, 16]
     "top_logprobs": (-1, 21),  # in [0, 20]
     "prompt_logprobs": (-1, 21),  # in [0, 20]
+    "stream_interval": (-1, 257),  # in [0, 256]
 }
 # ... and the numeric inputs that take any value of their datatype (finite, for FP32).
 ANY_VALUE = {"pad_id", "priority", "seed", "presence_penalty", "frequency_penalty"}

@@ -509,3 +509,57 @@ def test_the_loop_waits_for_its_outputs_by_default_only_where_the_forward_fills_
             loop.shutdown()
     finally:
         torch.set_num_threads(threads)
+
+
+class Chunks(Recorder):
+    """A Recorder that also keeps each output's size and logprobs."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+        self.logprobs: list[float | None] = []
+
+    def emit(self, out) -> None:
+        self.sizes.append(len(out.new_token_ids))
+        self.logprobs += out.new_logprobs
+        super().emit(out)
+
+
+def test_stream_interval_sends_the_same_tokens_in_fewer_outputs(loop, tiny_model_dir):
+    """The first output at once, then every N steps, the last at once: the same tokens and logprobs as N = 1; a
+    stop string still ends the output where it did (it is applied before outputs are held)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    runs = {}
+    for interval in (1, 4):
+        rec = Chunks()
+        req = GenerationRequest(PROMPT, SamplingParams(max_tokens=11, ignore_eos=True, logprobs=True), stream=True,
+                                stream_interval=interval)
+        loop.submit(Submission("c", req, rec.emit, rec.fail))
+        assert rec.done.wait(30) and rec.ends == 1
+        runs[interval] = rec
+    assert runs[1].sizes == [1] * 11 and runs[4].sizes == [1, 4, 4, 2]
+    assert runs[4].tokens == runs[1].tokens and runs[4].logprobs == runs[1].logprobs
+    text = decode_text(tokenizer, runs[1].tokens)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    ends = []
+    for interval in (1, 4):
+        rec = submit(loop, max_tokens=11, stop_strings=[stop], stream_interval=interval)
+        assert rec.done.wait(30) and rec.reasons == ["stop"]
+        ends.append(rec.tokens)
+    assert ends[0] == ends[1]
+    assert loop.num_active == 0 and loop.engine.kv.num_used_blocks == 0
+
+
+def test_the_servers_stream_interval_applies_unless_a_request_names_one(tiny_model_dir):
+    config = EngineConfig.create(model=str(tiny_model_dir), stream_interval=3)
+    loop = EngineLoop(lambda: LLMEngine(config)).start()
+    try:
+        default, own = Chunks(), Chunks()
+        for rec, interval in ((default, 0), (own, 1)):
+            req = GenerationRequest(PROMPT, SamplingParams(max_tokens=7, ignore_eos=True), stream=True,
+                                    stream_interval=interval)
+            loop.submit(Submission("c", req, rec.emit, rec.fail))
+            assert rec.done.wait(30)
+        assert default.sizes == [1, 3, 3] and own.sizes == [1] * 7 and default.tokens == own.tokens
+    finally:
+        loop.shutdown()

@@ -87,6 +87,16 @@ def test_streamed_equals_non_streamed_equals_engine(server, reference, model, pr
     assert len(streamed.chunk_times) > 1 and len(whole.chunk_times) == 1
 
 
+@pytest.mark.parametrize("model", TEXT_DOORS)
+def test_stream_interval_sends_the_same_text_in_fewer_responses(server, reference, model):
+    """24 tokens with stream_interval 5: the first response at once, then one per 5 tokens (1 + 5 x 4 + 3)."""
+    prompt = PROMPTS[0]
+    with LLMClient(grpc_url(server), model) as client:
+        result = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True, stream_interval=5)
+    assert result.text == reference(prompt, 24)
+    assert len(result.chunk_times) == 6
+
+
 def test_non_streamed_echoes_the_prompt_when_asked(server, tokenizer, reference):
     prompt = PROMPTS[1]
     with LLMClient(grpc_url(server)) as client:

@@ -78,8 +78,15 @@ class EngineConfig:
     quantization: str = "none"  # torch runtime, CPU: none | int8 (weights rounded per output channel at load)
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     q_tile: int = 16  # attention row width for prefill chunks (see backend/engine/batch.py)
+    # served streams: after its first, a sequence's outputs go out N steps at a time (the serving loop applies it,
+    # backend/serving/engine_thread.py; a request's own stream_interval input overrides it)
+    stream_interval: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval: must be >= 1, got {self.stream_interval}")
 
     @classmethod
     def create(cls, **settings: Any) -> EngineConfig:

@@ -69,6 +69,9 @@ class Submission:
     engine_id: str = ""
     last_token_at: float | None = None  # for the inter-token latency metric
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # per sample, for stop strings
+    # stream_interval: per sample, its outputs merged since its last send and how many; the samples that sent one
+    held: dict[int, tuple[RequestOutput, int]] = field(default_factory=dict)
+    started: set[int] = field(default_factory=set)
     # a prefill worker's hook: called (output thread) with the prompt's K/V before the final output
     on_kv_export: Callable[[ExportedKV], None] | None = None
 
@@ -311,7 +314,25 @@ class EngineLoop:
                 req = sub.request
                 kv = self.engine.export_kv(req.prompt_token_ids, self.engine.cache_salt(req.tenant, req.cache_salt))
                 self._queue(functools.partial(sub.on_kv_export, kv), lane)
-        self._queue(functools.partial(self._emit, sub, out), lane)
+        if (out := self._hold(sub, out)) is not None:
+            self._queue(functools.partial(self._emit, sub, out), lane)
+
+    def _hold(self, sub: Submission, out: RequestOutput) -> RequestOutput | None:
+        """stream_interval N: after a sample's first output, its outputs are merged and sent every N steps (one
+        response, one send, instead of N), and at once when it finishes; None while this one is held. The tokens
+        are the same, stop strings have been applied, and the metrics above counted each step."""
+        interval = sub.request.stream_interval or self.engine.config.stream_interval
+        pending, count = sub.held.pop(out.index, (None, 0))
+        if pending is not None:
+            out = dataclasses.replace(out, new_token_ids=pending.new_token_ids + out.new_token_ids,
+                                      new_logprobs=pending.new_logprobs + out.new_logprobs,
+                                      new_top_logprobs=pending.new_top_logprobs + out.new_top_logprobs,
+                                      prompt_logprobs=pending.prompt_logprobs or out.prompt_logprobs)
+        if out.finished or out.index not in sub.started or count + 1 >= interval:
+            sub.started.add(out.index)
+            return out
+        sub.held[out.index] = (out, count + 1)
+        return None
 
     def _queue(self, task: Callable[[], None], lane: int = REST) -> None:
         """For the output thread. A request's first output takes lane FIRST, ahead of the REST queued before it

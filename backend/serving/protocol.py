@@ -119,6 +119,8 @@ INPUTS: tuple[TensorSpec, ...] = (
                                               "blocks (vLLM's); empty: none"),
     _input("timeout_ms", "TYPE_INT32", (1,), "end the request this long after it arrived, finish reason "
                                              "`timeout`, with what it generated so far; 0: no deadline"),
+    _input("stream_interval", "TYPE_INT32", (1,), "after the first, send the tokens of N engine steps in one "
+                                                  "response (the last at once); 0: the llm's stream_interval"),
     _input("min_p", "TYPE_FP32", (1,), "drop tokens below min_p x the likeliest token's probability, in [0, 1]; "
                                        "0: off"),
     _input("guided_decoding_guide_type", "TYPE_STRING", (1,), "hold the output to a guide: json (any object), "

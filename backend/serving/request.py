@@ -39,6 +39,7 @@ MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tena
              "guided_decoding_guide": 1 << 18}
 # The fields the engine names in its errors (LLMEngine.add_request, SamplingParams.validate) -> the inputs
 # that set them in parse_request, so that an error names what the client sent, on every front door.
+MAX_STREAM_INTERVAL = 256
 ENGINE_FIELD_INPUTS = {"prompt_token_ids": "input_ids (text_input once tokenized)",
                        "stop_token_ids": "end_id", "bad_words_ids": "bad_words",
                        "min_tokens": "min_tokens (or min_length)", "n": "num_return_sequences"}
@@ -59,6 +60,7 @@ class GenerationRequest:
     return_num_output_tokens: bool = False
     return_finish_reason: bool = False
     timeout_ms: int = 0  # end the request this long after its submission (finish reason "timeout"); 0: never
+    stream_interval: int = 0  # outputs after the first merged N steps at a time (engine_thread.py); 0: the server's
     as_text: bool = False  # the prompt came as text_input: the responses carry text_output too
     kv: ExportedKV | None = None  # a remote prefill's blocks for this prompt (Dynamo decode worker)
 
@@ -150,6 +152,9 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
             given[name] = given[name] or None
     if given.get("timeout_ms", 0) < 0:
         raise InvalidRequestError("timeout_ms", f"must be >= 0 (0: no deadline), got {given['timeout_ms']}")
+    if not 0 <= given.get("stream_interval", 0) <= MAX_STREAM_INTERVAL:
+        raise InvalidRequestError("stream_interval", f"must be in [0, {MAX_STREAM_INTERVAL}] (0: the server's), got "
+                                                     f"{given['stream_interval']}")
     guide_type, guide = given.pop("guided_decoding_guide_type", None), given.pop("guided_decoding_guide", "")
     if guide_type:
         given["guided"] = Guide(guide_type, guide)
