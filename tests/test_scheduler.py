@@ -24,7 +24,7 @@ def make(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 2048, *
 
 def advance(sched: Scheduler, out) -> None:
     """What the engine does after a forward: token 7 for every sequence that caught up."""
-    caught_up = {i: Sampled(7) for i, (s, n) in enumerate(out.scheduled) if s.num_computed_tokens + n == s.num_tokens}
+    caught_up = {i: [Sampled(7)] for i, (s, n) in enumerate(out.scheduled) if s.num_computed_tokens + n == s.num_tokens}
     sched.update_from_output(out, caught_up)
 
 

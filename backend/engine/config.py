@@ -26,6 +26,8 @@ class TenantQuota:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
+    speculative: str = "none"  # ngram: greedy rows verify up to num_speculative_tokens drafts a step (speculation.py)
+    num_speculative_tokens: int = 3
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's, capped by the KV pool
     admission_policy: AdmissionPolicy = "max_utilization"
@@ -40,6 +42,10 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        if self.speculative not in ("none", "ngram"):
+            raise ValueError(f"speculative: expected one of ['none', 'ngram'], got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens: must be in [1, 16], got {self.num_speculative_tokens}")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from backend.engine.runners.factory import create_runner
 from backend.engine.sampling import (NO_TOKEN, Sampled, SamplerRow, SamplingParams, SamplingState, sample,
                                     token_logprobs)
 from backend.engine.scheduler import Scheduler, SchedulerOutput
+from backend.engine.speculation import accepted_tokens
 from backend.engine.sequence import FinishReason, Sequence
 
 
@@ -73,6 +74,8 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     last_step_tokens: int
+    num_draft_tokens: int = 0  # speculative tokens verified so far, and accepted
+    num_accepted_tokens: int = 0
 
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -102,6 +105,8 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._compiling: dict[str, Sequence] = {}  # guided requests whose grammar has not compiled yet
         self._samples: dict[str, set[str]] = {}  # request id -> its unfinished samples' ids (requests with n > 1)
+        self.num_draft_tokens = 0  # speculative tokens verified, and accepted (speculation.py)
+        self.num_accepted_tokens = 0
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -297,24 +302,36 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput, between_layers: Callable[[], None] | None) -> list[RequestOutput]:
         """Forward, sample and update for a scheduled batch; its outputs."""
         batch = build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile,
-                                  [n if seq.wants_prompt_logprobs else 1 for seq, n in sched.scheduled])
+                                  [n if seq.wants_prompt_logprobs else 1 + len(seq.draft_token_ids)
+                                   for seq, n in sched.scheduled])
         logits = self.runner.forward(batch, between_layers)
         for i, (seq, n) in enumerate(sched.scheduled):
             if seq.wants_prompt_logprobs:
                 self._prompt_logprobs(seq, logits[batch.logits_start[i]:batch.logits_start[i + 1]])
-        sampled = [i for i, (seq, n) in enumerate(sched.scheduled) if seq.num_computed_tokens + n == seq.num_tokens]
-        rows = [self._sampler_row(sched.scheduled[i][0]) for i in sampled]
+        # the sequences that yield tokens this step: those whose chunk reaches their last token (drafts beyond it)
+        sampled = [i for i, (seq, n) in enumerate(sched.scheduled)
+                   if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_token_ids)]
+        drafted = [i for i in sampled if sched.scheduled[i][0].draft_token_ids]
+        plain = [i for i in sampled if not sched.scheduled[i][0].draft_token_ids]
+        rows = [self._sampler_row(sched.scheduled[i][0]) for i in plain]
         last_rows = batch.logits_start[1:] - 1
-        picks = sample(logits[last_rows[np.asarray(sampled, dtype=np.int64)]], rows) if rows else []
-        dead = [sched.scheduled[i][0] for i, pick in zip(sampled, picks) if pick.token == NO_TOKEN]
+        picks = sample(logits[last_rows[np.asarray(plain, dtype=np.int64)]], rows) if rows else []
+        dead = [sched.scheduled[i][0] for i, pick in zip(plain, picks) if pick.token == NO_TOKEN]
+        tokens = {i: [pick] for i, pick in zip(plain, picks) if pick.token != NO_TOKEN}
+        if drafted:
+            verify_rows = np.concatenate([np.arange(batch.logits_start[i], batch.logits_start[i + 1]) for i in drafted])
+            drafts = [sched.scheduled[i][0].draft_token_ids for i in drafted]
+            for i, accepted in zip(drafted, accepted_tokens(logits[verify_rows], drafts)):
+                tokens[i] = [Sampled(t) for t in accepted]
+                self.num_draft_tokens += len(sched.scheduled[i][0].draft_token_ids)
+                self.num_accepted_tokens += len(accepted) - 1
         outputs = []
-        for seq, pick in self.scheduler.update_from_output(
-                sched, {i: pick for i, pick in zip(sampled, picks) if pick.token != NO_TOKEN}):
+        for seq, picked in self.scheduler.update_from_output(sched, tokens):
             last = False
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
                 last = self._last_of_request(seq)
-            outputs.append(RequestOutput.of(seq, [pick], last))
+            outputs.append(RequestOutput.of(seq, picked, last))
         return outputs + [self._fail(seq, InvalidRequestError(
             GUIDE_FIELD, f"no token is allowed after {len(seq.output_token_ids)} output tokens (the guide, "
                          "min_tokens and bad_words leave none)")) for seq in dead]
@@ -372,4 +389,6 @@ class LLMEngine:
             prefix_cache_hit_rate=self.kv.stats.hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             last_step_tokens=self._last_step_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -267,6 +267,14 @@ class KVCacheManager:
         self.pool.events = []
         return events
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past what the sequence's tokens need (the slots of rejected speculative tokens); they
+        hold nothing computed, so nothing of them is cached."""
+        keep = self.blocks_for(seq.num_tokens)
+        if len(seq.block_ids) > keep:
+            self.pool.release(list(reversed(seq.block_ids[keep:])))
+            del seq.block_ids[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release all of a sequence's blocks (finish, abort, preemption). Tail blocks are evicted first."""
         self.pool.release(list(reversed(seq.block_ids)))

@@ -40,6 +40,7 @@ from backend.engine.errors import QueueFullError
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.sampling import Sampled
 from backend.engine.sequence import FinishReason, Sequence, Status
+from backend.engine.speculation import eligible, propose_ngram
 
 
 @dataclass
@@ -203,7 +204,17 @@ class Scheduler:
         self.running.append(seq)
         return n
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Speculative tokens for a decode of an eligible sequence (speculation.py): at most num_speculative_tokens,
+        within the step's budget, max_tokens and the context length."""
+        if self.config.speculative == "none" or seq.num_uncomputed != 1 or not eligible(seq):
+            return []
+        room = min(self.config.num_speculative_tokens, budget - 1,
+                   seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+        return propose_ngram(seq.token_ids, room)
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_token_ids = []
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
@@ -232,7 +243,8 @@ class Scheduler:
             if id(seq) in fresh:
                 i += 1
                 continue
-            n = min(seq.num_uncomputed, budget)
+            seq.draft_token_ids = self._drafts(seq, budget)
+            n = min(seq.num_uncomputed, budget) + len(seq.draft_token_ids)
             quota_ok = self._within_block_quota(seq, n)
             if quota_ok and self.kv.allocate(seq, n):
                 scheduled.append((seq, n))
@@ -290,27 +302,34 @@ class Scheduler:
 
     # -- after the step ---------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, Sampled]
-                           ) -> list[tuple[Sequence, Sampled]]:
-        """The one place that changes state after a forward: each scheduled sequence's computed tokens
-        advance, its newly full blocks enter the prefix cache; `sampled` (batch index -> the sampler's pick)
-        tokens are appended, finish rules are applied and finished sequences are freed. Returns the
-        sequences that got a token, with its pick, in batch order."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, list[Sampled]]
+                           ) -> list[tuple[Sequence, list[Sampled]]]:
+        """The one place that changes state after a forward: `sampled` (batch index -> the step's tokens: the
+        sampler's pick, or a speculating sequence's accepted drafts and the token after them) are appended up to
+        the first that finishes it; each scheduled sequence's computed tokens advance by what the forward computed,
+        less its rejected drafts (whose blocks are released); its newly full blocks enter the prefix cache;
+        finished sequences are freed. Returns the sequences that got tokens, with them, in batch order."""
         appended = []
         for i, (seq, n) in enumerate(output.scheduled):
-            seq.num_computed_tokens += n
+            picks, drafts = sampled.get(i, []), seq.draft_token_ids
+            seq.draft_token_ids = []
+            seq.num_computed_tokens += n - (len(drafts) - len(picks) + 1 if drafts else 0)
+            reason, kept = None, []
+            for pick in picks:
+                seq.output_token_ids.append(pick.token)
+                kept.append(pick)
+                if seq.sampling_state.grammar is not None:
+                    seq.sampling_state.grammar.accept(pick.token)
+                if (reason := self._finish_reason(seq, pick.token)) is not None:
+                    break
+            if drafts:  # a stop among the accepted drafts leaves fewer tokens than were computed
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                self.kv.trim(seq)
             self.kv.cache_computed_blocks(seq)
-            if i not in sampled:
-                continue
-            pick = sampled[i]
-            token = pick.token
-            seq.output_token_ids.append(token)
-            if seq.sampling_state.grammar is not None:
-                seq.sampling_state.grammar.accept(token)
-            reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
-            appended.append((seq, pick))
+            if kept:
+                appended.append((seq, kept))
         return appended
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

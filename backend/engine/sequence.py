@@ -50,6 +50,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # why it ended, with FinishReason.ERROR
     prompt_logprobs: list[Sampled] = field(default_factory=list)  # of prompt tokens 1, 2, ... (params.prompt_logprobs)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens scheduled after its own this step
 
     @property
     def num_tokens(self) -> int:

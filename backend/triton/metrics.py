@@ -40,6 +40,9 @@ class TritonMetrics(LoopObserver):
         self.hit_rate = metric("llm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
                                "over prompt tokens admitted", fam.GAUGE)
         self.preemptions = metric("llm_preemptions_total", "Sequences preempted (recompute)", fam.COUNTER)
+        self.draft_tokens = metric("llm_spec_draft_tokens_total", "Speculative tokens verified (speculative: ngram)",
+                                   fam.COUNTER)
+        self.accepted_tokens = metric("llm_spec_accepted_tokens_total", "Speculative tokens accepted", fam.COUNTER)
         refused_doc = "Requests not admitted: overloaded (the waiting queue was full) or invalid"
         self.refused = {reason: metric("llm_requests_refused_total", refused_doc, fam.COUNTER, {"reason": reason})
                         for reason in ("overloaded", "invalid")}
@@ -56,7 +59,7 @@ class TritonMetrics(LoopObserver):
         self.heartbeat = metric("llm_engine_heartbeat_timestamp_seconds", "Unix time the engine loop last went "
                                 "round idle or after a step that did work (it stands still while a step runs or work "
                                 "waits that no step takes); 0: not yet reported; -1: the loop has died", fam.GAUGE)
-        self._preemptions_seen = 0
+        self._seen: dict[str, int] = {}  # the engine's running totals, as last added to their counters
 
     def on_step(self, s: EngineStats, step_seconds: float) -> None:
         self.on_idle(s)
@@ -65,16 +68,19 @@ class TritonMetrics(LoopObserver):
             self.step_seconds.observe(step_seconds)
 
     def on_idle(self, s: EngineStats) -> None:
-        """The gauges and the preemption counter (also after an abort that no step follows)."""
+        """The gauges and the counters of engine totals (also after an abort that no step follows)."""
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         for state, value in (("total", s.kv_blocks_total), ("used", s.kv_blocks_used),
                              ("free", s.kv_blocks_free), ("cached", s.kv_blocks_cached)):
             self.blocks[state].set(value)
         self.hit_rate.set(s.prefix_cache_hit_rate)
-        if s.num_preemptions > self._preemptions_seen:
-            self.preemptions.increment(s.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = s.num_preemptions
+        for key, counter, total in (("preemptions", self.preemptions, s.num_preemptions),
+                                    ("drafts", self.draft_tokens, s.num_draft_tokens),
+                                    ("accepted", self.accepted_tokens, s.num_accepted_tokens)):
+            if total > self._seen.get(key, 0):
+                counter.increment(total - self._seen.get(key, 0))
+                self._seen[key] = total
 
     def on_heartbeat(self, last_round: float) -> None:
         self.heartbeat.set(last_round)

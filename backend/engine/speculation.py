@@ -1,0 +1,59 @@
+"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`), verified in the one ragged forward.
+
+A running sequence whose next step is a decode gets up to k draft tokens: the tokens that followed the most recent
+earlier occurrence of its last n tokens (n from 3 down to 1) in its prompt and output. It is scheduled as 1 + k query
+tokens (its last token and the drafts); the forward returns the logits of all 1 + k positions; the drafts are
+accepted while each equals the argmax at the position before it, and the argmax after the last accepted one is the
+step's own token. So a step yields 1 to k + 1 tokens, each the one greedy decoding would pick at its position: the
+output equals the output without speculation (the verify rows' logits are those of a prefill chunk, which can round
+differently from a one-token decode only at a near-tie).
+
+Only plain greedy rows speculate (no penalties, bad words, min_tokens ban, guide or logprobs): every other row is
+sampled one token a step as before. The rejected drafts' KV slots are given back (scheduler.update_from_output): the
+computed tokens stop at the accepted ones, blocks past the sequence's tokens are released, and nothing past them
+enters the prefix cache (block hashes come from the sequence's tokens, never from drafts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from backend.engine.sequence import Sequence
+
+SPECULATIVE = ("none", "ngram")
+NGRAM_MAX, NGRAM_MIN = 3, 1
+
+
+def eligible(seq: Sequence) -> bool:
+    """Whether the sampler would pick this sequence's next token by a plain argmax of the logits."""
+    p = seq.params
+    return (p.greedy and not p.penalized and not p.bad_words_ids and p.guided is None and not p.logprobs
+            and not p.top_logprobs and len(seq.output_token_ids) >= p.min_tokens and not seq.wants_prompt_logprobs)
+
+
+def propose_ngram(token_ids: list[int], k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens (longest n first)."""
+    if k <= 0 or len(token_ids) < 2:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(NGRAM_MAX, len(tokens) - 1), NGRAM_MIN - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every n-gram that has a next token
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if len(starts):
+            start = starts[-1] + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+def accepted_tokens(logits: torch.Tensor, drafts_per_seq: list[list[int]]) -> list[list[int]]:
+    """Each drafted sequence's tokens this step: its accepted drafts, then the argmax after them. `logits` holds
+    1 + len(drafts) rows per sequence, in order (one argmax, one copy to the host for them all)."""
+    picks = logits.argmax(dim=-1).tolist()
+    out, row = [], 0
+    for drafts in drafts_per_seq:
+        best = picks[row:row + len(drafts) + 1]
+        accepted = next((j for j, (d, b) in enumerate(zip(drafts, best)) if d != b), len(drafts))
+        out.append(drafts[:accepted] + [best[accepted]])
+        row += len(drafts) + 1
+    return out

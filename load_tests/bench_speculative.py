@@ -1,0 +1,63 @@
+"""What `speculative: ngram` gives: offline greedy tokens/s with and without it, in one run, on the same prompts.
+
+Two prompt sets: code- and list-like prompts that repeat themselves (what prompt lookup is for), and the
+benchmarks' seeded random prompts (which do not). Batch 1 and 16 (the 16 prompts cycle through the set), 64 new
+tokens, EOS ignored; each configuration once warm, then timed; the output of every speculating run is checked equal
+to the plain run's. Prints tok/s, the ratio to no speculation and the acceptance rate; the CPU named.
+
+    python -m load_tests.bench_speculative [--model default|DIR] [--tokens 64] [--k 3,5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from backend.engine import EngineConfig, LLMEngine, SamplingParams
+from backend.serving.tokenizer import encode, load_tokenizer
+from load_tests.bench_offline import resolve_model
+from load_tests.machine import cpu_summary
+from load_tests.workload import make_workload, model_vocab
+
+REPEATING = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+             "List the numbers from 1 to 40: 1, 2, 3, 4,",
+             "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>cherry</li>\n",
+             "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\n"]
+
+
+def timed(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    engine.generate(prompts[:2], params)  # warm
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return sum(map(len, outs)) / (time.perf_counter() - start), outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--k", default="3,5", help="num_speculative_tokens values")
+    args = p.parse_args()
+    model = resolve_model(None if args.model == "default" else args.model)
+    tokenizer = load_tokenizer(model)
+    vocab, special = model_vocab(model)
+    sets = {"repeating": [encode(tokenizer, t, False) for t in REPEATING],
+            "random": [r.prompt_token_ids for r in make_workload(16, vocab_size=vocab, seed=0, exclude_ids=special)]}
+    print(f"{cpu_summary()} | {model.name} | greedy, {args.tokens} new tokens")
+    for name, prompts in sets.items():
+        for batch in (1, 16):
+            batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+            base_tps, base_outs = timed(LLMEngine(EngineConfig.create(model=str(model))), batch_prompts, args.tokens)
+            line = f"{name:9} batch {batch:2}: none {base_tps:7.1f} tok/s"
+            for k in map(int, args.k.split(",")):
+                engine = LLMEngine(EngineConfig.create(model=str(model), speculative="ngram", num_speculative_tokens=k))
+                tps, outs = timed(engine, batch_prompts, args.tokens)
+                assert outs == base_outs, f"ngram k={k} changed the output"
+                rate = engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)
+                line += f" | k={k} {tps:7.1f} tok/s ({tps / base_tps:.2f}x, {100 * rate:.0f} % of drafts accepted)"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

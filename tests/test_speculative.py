@@ -1,0 +1,127 @@
+"""Speculative decoding with n-gram drafts (backend/engine/speculation.py): greedy output token for token equal to
+the output without speculation and to HF, for k in {1, 3, 5}, with drafts accepted; a stop id or max_tokens inside
+an accepted run ends it where it would end without; rows that do not speculate are unchanged beside those that do;
+the prefix cache holds only accepted tokens; every block free after; the counters through a real server.
+
+SmolLM2 (real weights): a random tiny model's greedy output never repeats, so no draft would ever be accepted."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from backend.engine import EngineConfig, LLMEngine, SamplingParams
+from backend.engine.speculation import accepted_tokens, propose_ngram
+from backend.serving.detokenize import decode_text
+from backend.serving.tokenizer import encode, load_tokenizer
+from client.client import LLMClient
+from tests.conftest import start_server
+from tests.reference import hf_greedy
+
+TEXTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+         "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+         "List the numbers from 1 to 30: 1, 2, 3, 4,"]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir) -> list[list[int]]:
+    tokenizer = load_tokenizer(smollm2_dir)
+    return [encode(tokenizer, t, False) for t in TEXTS]  # as the llm tokenizes text_input
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_dir, prompts) -> list[list[int]]:
+    """The engine's greedy outputs without speculation."""
+    return LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+
+
+def speculating(model_dir, k: int = 3, **settings) -> LLMEngine:
+    return LLMEngine(EngineConfig.create(model=str(model_dir), speculative="ngram", num_speculative_tokens=k,
+                                         **settings))
+
+
+def test_propose_and_accept():
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # the last 3 tokens seen before, and what followed
+    assert propose_ngram([1, 2, 3, 9, 5, 1, 2, 3, 7, 3], 2) == [7, 3]  # the most recent earlier "3"
+    assert propose_ngram([4, 5, 6], 3) == [] and propose_ngram([4], 3) == []
+    import torch
+
+    logits = torch.full((7, 10), -1.0)
+    for row, best in enumerate([7, 8, 2, 4, 5, 5, 6]):  # seq 0: drafts 7, 8, 9 -> 7, 8 accepted, then 2
+        logits[row, best] = 1.0
+    assert accepted_tokens(logits, [[7, 8, 9], [5, 5]]) == [[7, 8, 2], [5, 5, 6]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_without_speculation(smollm2_dir, prompts, plain, k):
+    eng = speculating(smollm2_dir, k)
+    assert eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) == plain
+    assert eng.num_accepted_tokens > 0 and eng.num_draft_tokens >= eng.num_accepted_tokens
+    assert eng.kv.num_used_blocks == 0
+
+
+def test_greedy_equals_hf(smollm2_dir, prompts):
+    outs = speculating(smollm2_dir, 5).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert outs == hf_greedy(smollm2_dir, prompts, [24] * len(prompts))
+
+
+def test_a_stop_id_or_max_tokens_inside_an_accepted_run(smollm2_dir, prompts, plain):
+    """The numbers prompt: ", " is drafted and accepted all along; stopping on it, or at max_tokens 7, ends the output
+    where it ends without speculation."""
+    comma = plain[2][1]
+    stop = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(comma,), min_tokens=3, ignore_eos=True)
+    short = SamplingParams(max_tokens=7, ignore_eos=True)
+    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate([prompts[2]] * 2, [stop, short])
+    eng = speculating(smollm2_dir, 5)
+    eng.add_request("stop", prompts[2], stop)
+    eng.add_request("short", prompts[2], short)
+    got, reasons = {"stop": [], "short": []}, {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert [got["stop"], got["short"]] == expected and reasons == {"stop": "stop", "short": "length"}
+    assert len(got["short"]) == 7 and got["stop"][-1] == comma
+
+
+def test_rows_that_do_not_speculate_are_unchanged_beside_those_that_do(smollm2_dir, prompts, plain):
+    penalized = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3)
+    with_logprobs = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [penalized, with_logprobs, greedy]
+    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate(prompts, params)
+    eng = speculating(smollm2_dir, 3)
+    assert eng.generate(prompts, params) == expected
+    assert expected[1] == plain[1] and eng.num_accepted_tokens > 0
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens(smollm2_dir, prompts, plain):
+    """Run twice on one engine: the second run starts from the first's cached blocks (prompt and output, written by
+    verify steps that rejected drafts) and gives the same tokens; a small pool makes the rejected slots' blocks
+    come back to the free queue and be reused."""
+    eng = speculating(smollm2_dir, 5, block_size=4, num_kv_blocks=96)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = eng.generate(prompts, params)
+    continued = [p + o[:20] for p, o in zip(prompts, first)]
+    again = eng.generate(continued, SamplingParams(max_tokens=MAX_TOKENS - 20, ignore_eos=True))
+    assert first == plain and [o[20:] for o in plain] == again
+    assert eng.stats().prefix_cache_hit_rate > 0 and eng.kv.num_used_blocks == 0
+
+
+def test_served_with_speculation(tmp_path_factory, smollm2_dir, prompts, plain):
+    """A real tritonserver with `speculative: ngram`: the same text as the engine without it, and the counters."""
+    tokenizer = load_tokenizer(smollm2_dir)
+    settings = {"speculative": "ngram", "num_speculative_tokens": "4", "kv_cache_memory_gb": "0.25"}
+    with start_server(tmp_path_factory.mktemp("repo_spec"), smollm2_dir, settings) as srv:
+        srv.wait_ready(300)
+        with LLMClient(srv.url_grpc, "llm") as client:
+            text = client.generate(TEXTS[2], max_tokens=MAX_TOKENS, ignore_eos=True, stream=True).text
+        metrics = urllib.request.urlopen(srv.url_metrics, timeout=10).read().decode()
+    assert text == decode_text(tokenizer, plain[2])
+    counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("llm_spec_")}
+    assert counters["llm_spec_draft_tokens_total"] >= counters["llm_spec_accepted_tokens_total"] > 0
