@@ -125,3 +125,35 @@ def test_served_with_speculation(tmp_path_factory, smollm2_dir, prompts, plain):
     counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                 if line.startswith("llm_spec_")}
     assert counters["llm_spec_draft_tokens_total"] >= counters["llm_spec_accepted_tokens_total"] > 0
+
+
+def test_a_stop_string_inside_an_accepted_run(smollm2_dir, prompts):
+    """The serving loop cuts a several-token output at the token that completes a stop string: the same tokens,
+    count and finish reason as without speculation."""
+    from backend.serving.engine_thread import EngineLoop, Submission
+    from backend.serving.request import GenerationRequest
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    results = []
+    for settings in ({}, {"speculative": "ngram", "num_speculative_tokens": 5}):
+        config = EngineConfig.create(model=str(smollm2_dir), **settings)
+        loop = EngineLoop(lambda: LLMEngine(config), tokenizer).start()
+        got, done = [], []
+        # the numbers prompt: speculation yields ", 1" in one step after " 1", "2" (the ", " completes "12,")
+        request = GenerationRequest(prompts[2], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                                    stream=True, stop_strings=["12,"])
+        loop.submit(Submission("c", request, lambda out: (got.extend(out.new_token_ids), out.finished and
+                                                          done.append((out.finish_reason, out.num_output_tokens))),
+                               lambda err: done.append(err)))
+        try:
+            for _ in range(600):
+                if done:
+                    break
+                __import__("time").sleep(0.1)
+        finally:
+            accepted = loop.engine.num_accepted_tokens
+            loop.shutdown()
+        results.append((got, done, accepted))
+    (plain_tokens, plain_end, _), (spec_tokens, spec_end, accepted) = results
+    assert spec_tokens == plain_tokens and spec_end == plain_end == [("stop", len(plain_tokens))]
+    assert decode_text(tokenizer, plain_tokens).endswith("12,") and accepted > 0

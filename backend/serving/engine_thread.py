@@ -293,10 +293,15 @@ class EngineLoop:
             self._queue(functools.partial(self.observer.on_refused, "invalid"), lane)
             self._queue(functools.partial(_safe_fail, sub, out.error), lane)
             return
-        if sub.request.stop_strings and not out.finished and self._hits_stop_string(sub, out):
-            final = self.engine.finish(self.engine.sample_id(sub.engine_id, out.index), FinishReason.STOP)
-            out = dataclasses.replace(out, finished=True, finish_reason=final.finish_reason,
-                                      request_finished=final.request_finished)
+        if sub.request.stop_strings and (end := self._stop_string_end(sub, out)) is not None \
+                and (not out.finished or end < len(out.new_token_ids)):
+            # the tokens after the one that completes it were generated past it (speculation yields several a step)
+            finished = out.request_finished if out.finished else self.engine.finish(
+                self.engine.sample_id(sub.engine_id, out.index), FinishReason.STOP).request_finished
+            out = dataclasses.replace(out, new_token_ids=out.new_token_ids[:end], new_logprobs=out.new_logprobs[:end],
+                                      new_top_logprobs=out.new_top_logprobs[:end], finished=True,
+                                      finish_reason=FinishReason.STOP.value, request_finished=finished,
+                                      num_output_tokens=out.num_output_tokens - len(out.new_token_ids) + end)
         now = time.monotonic()
         if out.new_token_ids:
             if sub.last_token_at is None:
@@ -376,13 +381,18 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - an observer's error must not stop the outputs
                 LOG.exception("output thread task failed")
 
-    def _hits_stop_string(self, sub: Submission, out: RequestOutput) -> bool:
+    def _stop_string_end(self, sub: Submission, out: RequestOutput) -> int | None:
+        """How many of the output's new tokens reach the end of a stop string (the first that completes one), None
+        when none does."""
         detok = sub.detokenizers.get(out.index) or sub.detokenizers.setdefault(
             out.index, IncrementalDetokenizer(self.tokenizer))
-        piece = detok.push(out.new_token_ids)
         longest = max(map(len, sub.request.stop_strings))
-        window = detok.text[-(len(piece) + longest - 1):] if piece else ""
-        return any(stop in window for stop in sub.request.stop_strings)
+        for end, token in enumerate(out.new_token_ids, 1):
+            piece = detok.push([token])
+            window = detok.text[-(len(piece) + longest - 1):] if piece else ""
+            if any(stop in window for stop in sub.request.stop_strings):
+                return end
+        return None
 
     def _fail_all(self, err: Exception) -> None:
         while True:  # submissions still in the inbox
