@@ -59,6 +59,16 @@ def test_preemption_and_prefix_cache_on_the_gpu(random_llama_dir, hf_outputs):
     assert eng.kv.num_used_blocks == 0
 
 
+def test_speculative_ngram_on_the_gpu(random_llama_dir, hf_outputs):
+    """Drafted decodes (1 + k rows a sequence, run eagerly beside the graphs) give HF's tokens; rejected drafts'
+    blocks come back. The random model's output never repeats, so the drafts come from the prompts' repeats."""
+    eng = engine(random_llama_dir, max_num_seqs=8, speculative="ngram", num_speculative_tokens=3)
+    prompts = PROMPTS + [[5, 6, 7, 8, 9] * 4]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert outs[:len(PROMPTS)] == hf_outputs and eng.num_draft_tokens > 0
+    assert eng.kv.num_used_blocks == 0
+
+
 def test_gather_path_on_cuda_equals_hf(random_llama_dir, hf_outputs):
     """attention: gather on CUDA is the PyTorch runner with the exported graph's attention (what TensorRT runs)."""
     eng = engine(random_llama_dir, attention="gather", max_num_batched_tokens=48)
