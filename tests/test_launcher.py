@@ -197,7 +197,7 @@ def test_cli_serves_until_sigint(server: TritonServer, tmp_path: Path) -> None:
         _interrupt(proc)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            stop_launcher(proc)
     assert '"auto-complete-config":"false"' in (tmp_path / "cli.log").read_text()  # the `--` args got through
     with pytest.raises(OSError):
         http_status(f"http://127.0.0.1:{http}/v2/health/ready")
@@ -222,4 +222,4 @@ def test_cli_restarts_a_tritonserver_that_dies(server: TritonServer, tmp_path: P
         _interrupt(proc)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            stop_launcher(proc)
