@@ -321,9 +321,9 @@ class LLMEngine:
         if drafted:
             verify_rows = np.concatenate([np.arange(batch.logits_start[i], batch.logits_start[i + 1]) for i in drafted])
             drafts = [sched.scheduled[i][0].draft_token_ids for i in drafted]
-            for i, accepted in zip(drafted, accepted_tokens(logits[verify_rows], drafts)):
+            for i, draft, accepted in zip(drafted, drafts, accepted_tokens(logits[verify_rows], drafts)):
                 tokens[i] = [Sampled(t) for t in accepted]
-                self.num_draft_tokens += len(sched.scheduled[i][0].draft_token_ids)
+                self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(accepted) - 1
         outputs = []
         for seq, picked in self.scheduler.update_from_output(sched, tokens):

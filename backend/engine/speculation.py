@@ -21,7 +21,6 @@ import torch
 
 from backend.engine.sequence import Sequence
 
-SPECULATIVE = ("none", "ngram")
 NGRAM_MAX, NGRAM_MIN = 3, 1
 
 

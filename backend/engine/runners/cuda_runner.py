@@ -27,23 +27,17 @@ from backend.engine.kernels.triton_attention import multiprocessors, segments_fo
 from backend.engine.models.llama import PagedLlama, TritonLayout, load_model
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype
 
-FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens", "logits_index", "block_tables")
-
-
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch sizes a graph is captured for (vLLM's rule)."""
     return [n for n in [1, 2, 4] + list(range(8, max_num_seqs + 8, 8)) if n < max_num_seqs] + [max_num_seqs]
 
 
 def _sections(T: int, S: int, L: int, B: int) -> dict[str, tuple[int, int]]:
-    """Each field's (offset, length) in the packed buffer."""
+    """Each field's (offset, length) in the packed buffer, in this order."""
     lengths = {"token_ids": T, "positions": T, "slot_mapping": T, "query_start": S + 1, "context_lens": S,
                "logits_index": L, "block_tables": S * B}
-    sections, offset = {}, 0
-    for name in FIELDS:
-        sections[name] = (offset, lengths[name])
-        offset += lengths[name]
-    return sections
+    offsets = np.cumsum([0, *lengths.values()])
+    return {name: (int(offset), n) for (name, n), offset in zip(lengths.items(), offsets)}
 
 
 class CudaRunner:
