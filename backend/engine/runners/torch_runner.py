@@ -5,7 +5,8 @@ C++ kernel; "gather", the graph that ONNX Runtime and TensorRT run; "auto", the 
 when it builds here, else the gather (with a warning that says why). On CUDA, "auto" and "triton" run
 runners/cuda_runner.py instead (factory.py); this runner serves CUDA with the gather. `gemm_backend` picks each Linear's
 GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic name forces it; `quantization`
-"int8" makes the candidates the int8 tactics (weights rounded at load, float copies released).
+"int8" / "int4" makes the candidates the int8 / int4 tactics (weights rounded at load, float copies released);
+"gguf" serves the model folder's GGUF blocks as stored (models/gguf_weights.py), its embedding table included.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 import torch
 
 from backend.engine.batch import ModelInput
+from backend.engine.models.gguf_weights import load_gguf_linears
 from backend.engine.models.llama import KernelLayout, load_model
+from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
 from backend.engine.runners.gemm import use_tactics
 
@@ -52,7 +55,11 @@ class TorchRunner:
         self.device = torch.device(device)
         self.attention = resolve_attention(attention, self.device)
         self.model = load_model(model_dir, torch_dtype(dtype), self.device)
-        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization)
+        stored = None
+        if quantization == "gguf":
+            stored = load_gguf_linears(model_dir, self.model.cfg)
+            self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
+        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device)

@@ -1,0 +1,204 @@
+// y = x @ W^T with W in 4 bits, llama.cpp's Q4_1 x Q8_1: each run of 32 weights along a row is w ~ d * q + m with
+// q in 0..15 (Q4_0 is the case m = -8 d, Q4_K's sub-blocks are this form too: gemm.py), and x rounded per call to
+// int8, 32 values of a row per scale dx. Per block the 32 products q * qx are exact in int32, and
+//     sum_k w_k x_k ~ d dx sum(q qx) + m dx sum(qx)
+// so the only float work per block and row is two multiply-adds (sx = dx sum(qx) is computed with x's rounding).
+//
+// The 4-bit weights are unsigned and the activations signed: exactly the operand order of vpdpbusd (AVX512-VNNI,
+// 4 products per 32-bit lane) and of vpmaddubsw (AVX2: 2 products per 16-bit lane, then vpmaddwd into int32; 8 of
+// them add up within int16 since |q qx| <= 15 * 127). An AMD Zen 3 runs the AVX2 path.
+//
+// Packed W (gemm.py): panels of 16 output channels; per 32-weight block 4 groups of [16 channels][4 consecutive k]
+// bytes, each byte holding k = 4g + j in its low nibble and k = 16 + 4g + j in its high one: one 64-byte load
+// feeds 16 lanes twice. d and m: [panels][K / 32][16] float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPanel = 16;
+constexpr int64_t kPanelBytes = kBlock * kPanel / 2;  // one block of a panel
+
+// One block of 32 floats -> 32 int8 (round half to even), its scale max|x| / 127 and scale * sum(q).
+inline void quantize_block(const float* x, int8_t* q, float* scale, float* scaled_sum) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *scale = amax / 127.f;
+  *scaled_sum = *scale * static_cast<float>(sum);
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
+
+template <int MR>
+inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
+                        const float* dp, const float* mp, float* y, int64_t ldy, bool prefetch) {
+  const int64_t nb = K / kBlock;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = wp + b * kPanelBytes;
+    if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's work
+      for (int l = 0; l < kPanelBytes; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T0);
+    __m512i dot[MR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_loadu_si512(wb + g * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
+        dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(four_bytes(xb)));
+        dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(four_bytes(xb + 16)));
+      }
+    }
+    const __m512 wd = _mm512_loadu_ps(dp + b * kPanel), wm = _mm512_loadu_ps(mp + b * kPanel);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xd[i * nb + b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[i * nb + b]), acc[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kRows = 4;  // with two 8-channel halves per row: 8 float accumulators of AVX2's 16 registers
+
+template <int MR>
+inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
+                        const float* dp, const float* mp, float* y, int64_t ldy, bool prefetch) {
+  const int64_t nb = K / kBlock;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = wp + b * kPanelBytes;
+    if (prefetch)
+      for (int l = 0; l < kPanelBytes; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7
+      __m256i dot[MR];
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) dot[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {  // int16 sums: 8 x 2 x 15 x 127 < 2^15
+          const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xb))));
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xb + 16))));
+        }
+      }
+      const __m256 wd = _mm256_loadu_ps(dp + b * kPanel + 8 * h), wm = _mm256_loadu_ps(mp + b * kPanel + 8 * h);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i], ones));
+        acc[i][h] = _mm256_fmadd_ps(d, _mm256_mul_ps(wd, _mm256_set1_ps(xd[i * nb + b])), acc[i][h]);
+        acc[i][h] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[i * nb + b]), acc[i][h]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(y + i * ldy, acc[i][0]);
+    _mm256_storeu_ps(y + i * ldy + 8, acc[i][1]);
+  }
+}
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+template <int MR>
+inline void last_rows(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, const uint8_t* wp,
+                      const float* dp, const float* mp, float* y, int64_t ldy, int64_t m) {
+  if constexpr (MR > 0) {
+    const int64_t nb = K / kBlock;
+    if (M - m == MR)
+      microkernel<MR>(xq + m * K, xd + m * nb, xs + m * nb, K, wp, dp, mp, y + m * ldy, ldy, m == 0);
+    else
+      last_rows<MR - 1>(xq, xd, xs, M, K, wp, dp, mp, y, ldy, m);
+  }
+}
+#endif
+
+at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                            int64_t out_features) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "q4_1_w4a8_linear: x [M, K] float32 contiguous expected");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0), nb = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0, "q4_1_w4a8_linear: in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+              packed.size(1) == nb && packed.size(2) == kPanelBytes && panels * kPanel >= N,
+              "q4_1_w4a8_linear: weight packed [panels, K / 32, 256] uint8 for in_features ", K, " expected");
+  TORCH_CHECK(d.is_contiguous() && d.sizes() == at::IntArrayRef({panels, nb, kPanel}) && d.scalar_type() == at::kFloat &&
+              m.is_contiguous() && m.sizes() == d.sizes() && m.scalar_type() == at::kFloat,
+              "q4_1_w4a8_linear: d and m [panels, K / 32, 16] float32 expected");
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto xd = at::empty({M, nb}, x.options());
+  auto xs = at::empty({M, nb}, x.options());
+  const float* px = x.data_ptr<float>();
+  int8_t* pxq = xq.data_ptr<int8_t>();
+  float *pxd = xd.data_ptr<float>(), *pxs = xs.data_ptr<float>();
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxd + i, pxs + i);
+  });
+  const int64_t ldy = panels * kPanel;  // whole panels: the padded channels are cut off below
+  auto y = at::empty({M, ldy}, x.options());
+  const uint8_t* pw = packed.data_ptr<uint8_t>();
+  const float *pd = d.data_ptr<float>(), *pm = m.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* wp = pw + p * nb * kPanelBytes;
+      const float *dp = pd + p * nb * kPanel, *mp = pm + p * nb * kPanel;
+      int64_t r = 0;
+      for (; r + kRows <= M; r += kRows)
+        microkernel<kRows>(pxq + r * K, pxd + r * nb, pxs + r * nb, K, wp, dp, mp, py + r * ldy + p * kPanel, ldy,
+                           r == 0);
+      last_rows<kRows - 1>(pxq, pxd, pxs, M, K, wp, dp, mp, py + p * kPanel, ldy, r);
+    }
+  });
+  return ldy == N ? y : y.narrow(1, 0, N).contiguous();
+#else
+  TORCH_CHECK(false, "q4_1_w4a8_linear: needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("q4_1_w4a8_linear(Tensor x, Tensor packed, Tensor d, Tensor m, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("q4_1_w4a8_linear", &q4_1_w4a8_linear); }

@@ -1,0 +1,133 @@
+"""Quantized Linear weights in llama.cpp's block forms, as the int8/int4 GEMM tactics read them (runners/gemm.py):
+rounded at load from a float weight (`quantization: int8 | int4`), or decoded from a GGUF file's own blocks without
+a float copy (`quantization: gguf`, models/gguf_weights.py).
+
+- `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row.
+- `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
+  m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
+  so each GGUF 4-bit format reaches one kernel with its numbers unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K / 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.float().reshape(n, -1, BLOCK) * self.scale[..., None]).reshape(n, k)
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    d: torch.Tensor  # float32 [N, K / 32]
+    m: torch.Tensor  # float32 [N, K / 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.float().reshape(n, -1, BLOCK) * self.d[..., None] + self.m[..., None]).reshape(n, k)
+
+
+def _blocks_of(weight: torch.Tensor, form: str) -> torch.Tensor:
+    n, k = weight.shape
+    if k % BLOCK:
+        raise RuntimeError(f"{form}: in_features must be a multiple of {BLOCK}, got {k}")
+    return weight.float().reshape(n, k // BLOCK, BLOCK)
+
+
+def q8_0(weight: torch.Tensor) -> Q8Blocks:
+    """llama.cpp's quantize_row_q8_0: scale max|w| / 127, round half to even."""
+    w = _blocks_of(weight, "q8_0")
+    amax = w.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return Q8Blocks(torch.round(w * inv[..., None]).to(torch.int8).reshape(weight.shape), (amax / 127).contiguous())
+
+
+def q4_1(weight: torch.Tensor) -> Q4Blocks:
+    """llama.cpp's quantize_row_q4_1 (d = (max - min) / 15, m = min, q = floor((w - m) / d + 0.5) clamped to 15),
+    with d and m kept in float32 rather than GGUF's float16."""
+    w = _blocks_of(weight, "q4_1")
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.floor((w - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15)
+    return Q4Blocks(q.to(torch.uint8).reshape(weight.shape), d.contiguous(), lo.contiguous())
+
+
+def _half(raw: np.ndarray) -> torch.Tensor:
+    """float16 bytes [..., 2] -> float32 [...]."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: the low nibbles are the first 16 values, the high ones the next 16."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Q8Blocks | Q4Blocks:
+    """A GGUF tensor's raw blocks (uint8 [rows, bytes per row]) as Q8Blocks / Q4Blocks, values unchanged."""
+    nb = cols // BLOCK
+    if type_name == "Q8_0":  # per block: d f16, 32 x int8
+        b = data.reshape(rows, nb, 34)
+        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols).copy())
+        return Q8Blocks(q, _half(b[..., :2]).contiguous())
+    if type_name in ("Q4_0", "Q4_1"):  # per block: d f16, (m f16), 16 bytes of nibbles
+        b = data.reshape(rows, nb, 18 if type_name == "Q4_0" else 20)
+        d = _half(b[..., :2])
+        m = -8 * d if type_name == "Q4_0" else _half(b[..., 2:4])
+        q = torch.from_numpy(_nibbles(b[..., -16:]).reshape(rows, cols))
+        return Q4Blocks(q, d.contiguous(), m.contiguous())
+    if type_name == "Q4_K":  # per 256: d f16, dmin f16, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        b = data.reshape(rows, cols // 256, 144)
+        d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+        s = b[..., 4:16].astype(np.uint8)
+        lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        scale6 = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+        min6 = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+        qs = b[..., 16:].reshape(rows, cols // 256, 4, 32)  # 64 values per 32 bytes: low nibbles, then high
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+        sub_d = d[..., None] * torch.from_numpy(scale6.astype(np.float32))
+        sub_m = -(dmin[..., None] * torch.from_numpy(min6.astype(np.float32)))
+        return Q4Blocks(torch.from_numpy(q), sub_d.reshape(rows, nb).contiguous(), sub_m.reshape(rows, nb).contiguous())
+    raise ValueError(f"quantization: gguf serves Q8_0, Q4_0, Q4_1 and Q4_K tensors, not {type_name}")
+
+
+def take_rows(blocks: Q8Blocks | Q4Blocks, index: torch.Tensor) -> Q8Blocks | Q4Blocks:
+    """The same blocks with their output channels reordered (a row is whole blocks, so nothing is rounded)."""
+    if isinstance(blocks, Q8Blocks):
+        return Q8Blocks(blocks.q[index], blocks.scale[index])
+    return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
+
+
+def cat_rows(parts: list[Q8Blocks | Q4Blocks]) -> Q8Blocks | Q4Blocks:
+    """Output channels stacked (q/k/v and gate/up are fused): all parts must be one form."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"quantization: gguf fuses tensors of one block form, got {sorted(k.__name__ for k in kinds)}")
+    kind = kinds.pop()
+    if kind is Q8Blocks:
+        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]))
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in its blocks (a GGUF's token_embd): the looked-up rows are dequantized."""
+
+    def __init__(self, blocks: Q8Blocks | Q4Blocks, dtype: torch.dtype):
+        super().__init__()
+        self.blocks, self.dtype = blocks, dtype
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return take_rows(self.blocks, token_ids).dequantize().to(self.dtype)

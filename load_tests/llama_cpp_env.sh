@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds .venv-llamacpp: llama-cpp-python (llama.cpp compiled from source for this CPU: -march=native, its
+# AVX2 / AVX-512 paths as the CPU has them) in its own venv, for `bench_offline --llamacpp` only.
+# Idempotent: re-running with the stamp present does nothing. ~10 min on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+VENV=${LLAMACPP_VENV:-.venv-llamacpp}
+LLAMACPP=llama-cpp-python==0.3.16
+STAMP="$VENV/.installed-$LLAMACPP"
+
+if [ -f "$STAMP" ]; then
+    echo "$VENV ready ($LLAMACPP)"
+    exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+# GGML_NATIVE: the build machine's own ISA (what our kernels get too); no BLAS, llama.cpp's own GEMMs
+CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "$VENV/bin/pip" install --no-binary llama-cpp-python "$LLAMACPP"
+"$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())'
+touch "$STAMP"

@@ -1,0 +1,60 @@
+"""A GGUF file of a random Llama folder, written as llama.cpp's converter writes one (q/k rows permuted for its
+rotary, tensors quantized by gguf-py, llama.cpp's reference rounding), plus a folder of the same model whose float
+weights are that file's dequantized values: what `quantization: gguf` must serve without ever making them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute`: per head, HF's rotary halves -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
+    """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` next to
+    them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> Q8_0 / Q4_0 / Q4_1."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    names = {"model.embed_tokens.weight": ("token_embd.weight", None), "lm_head.weight": ("output.weight", None)}
+    for i in range(cfg["num_hidden_layers"]):
+        hf, g = f"model.layers.{i}.", f"blk.{i}."
+        names.update({hf + "self_attn.q_proj.weight": (g + "attn_q.weight", heads),
+                      hf + "self_attn.k_proj.weight": (g + "attn_k.weight", kv_heads),
+                      hf + "self_attn.v_proj.weight": (g + "attn_v.weight", None),
+                      hf + "self_attn.o_proj.weight": (g + "attn_output.weight", None),
+                      hf + "mlp.gate_proj.weight": (g + "ffn_gate.weight", None),
+                      hf + "mlp.up_proj.weight": (g + "ffn_up.weight", None),
+                      hf + "mlp.down_proj.weight": (g + "ffn_down.weight", None)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(out_dir / "model.gguf"), "llama")
+    for hf_name, (name, permute_heads) in names.items():
+        w = state[hf_name].numpy()
+        if permute_heads:
+            w = _permute(w, permute_heads)
+        qtype = GGMLQuantizationType[types[name.split(".")[-2]]]
+        raw = quantize(w, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        back = dequantize(raw, qtype).reshape(w.shape)
+        if permute_heads:  # the inverse permutation: rows (half, i) <- (i, half)
+            back = back.reshape(permute_heads, back.shape[0] // permute_heads // 2, 2, -1).swapaxes(1, 2).reshape(
+                back.shape)
+        state[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy2(f, out_dir / f.name)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
