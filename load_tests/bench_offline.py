@@ -2,11 +2,16 @@
 
 Systems, each run in a fresh child process (so peak RSS and thread pools are its own):
   engine     our LLMEngine, driven through add_request/step
-  engine_int8  the same with `quantization: int8` (engine_onnxruntime: the exported graph on ONNX Runtime)
+  engine_int8, engine_int4, engine_gguf  the same with `quantization` set (engine_onnxruntime: the exported graph
+             on ONNX Runtime)
   hf_static  HF `generate` on static, left-padded batches of 8 (the picture before continuous batching)
   hf_cb      HF's own continuous batching manager, each request with its own max_new_tokens
   vllm       vLLM's CPU build in its own venv (.venv-vllm, made by load_tests/vllm_env.sh), with --vllm
+  llamacpp   llama.cpp on the model folder's GGUF file, continuous batching over --streams slots as llama-server
+             does (.venv-llamacpp, made by load_tests/llama_cpp_env.sh), with --llamacpp
 
+--streams N submits the requests in N closed-loop streams (a stream's next request when its last one finishes;
+engine systems and llamacpp), else all at once. Time to first token is from a request's submission.
 Every request ignores EOS and must come back with exactly its max_tokens output ids. Only the
 generation is timed: model load and a two-request warm-up run before the clock starts. On a
 shared machine other processes steal the CPU: the table shows the process tree's CPU use
@@ -15,7 +20,7 @@ On a busy box, --omp-passive makes OpenMP threads sleep at barriers instead of s
 thread whose partner was descheduled burns its slice, which made 2-thread runs 10-50x slower here.
 
     python -m load_tests.bench_offline [--model DIR|random56m] [--dtype float32|bfloat16|both]
-        [--systems engine,hf_static,hf_cb] [--vllm] [--num-requests 64] [--threads 2]
+        [--systems engine,hf_static,hf_cb] [--vllm] [--llamacpp] [--streams N] [--num-requests 64] [--threads 2]
         [--rss-check] [--wait-idle SECONDS] [--omp-passive] [--out results/offline.json]
 """
 
@@ -27,6 +32,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,9 +51,13 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO / ".cache" / "models"
 RANDOM56M = "random56m"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
 DTYPES = ("float32", "bfloat16")
-SYSTEMS = ("engine", "engine_onnxruntime", "engine_int8", "hf_static", "hf_cb", "vllm")
-BASELINES = ("engine", "hf_cb", "vllm")  # the table shows each system's ratio to these
+QUANTIZED = ("int8", "int4", "gguf")
+SYSTEMS = ("engine", "engine_onnxruntime", *(f"engine_{q}" for q in QUANTIZED), "hf_static", "hf_cb", "vllm",
+           "llamacpp")
+STREAMING = ("engine", "engine_onnxruntime", *(f"engine_{q}" for q in QUANTIZED), "llamacpp")  # take --streams
+BASELINES = ("engine", "hf_cb", "vllm", "llamacpp")  # the table shows each system's ratio to these
 STATIC_BATCH = 8
 RSS_CHECK_REQUESTS = 1000
 RSS_CHECK_WAVES = 10
@@ -175,6 +185,11 @@ def torch_threads() -> int:
     return int(os.environ["OMP_NUM_THREADS"])
 
 
+def streams() -> int:
+    """--streams (0: all requests at once), set by the parent for its children."""
+    return int(os.environ.get("BENCH_STREAMS", "0"))
+
+
 def measure(system: str, dtype: str, generate: Generate, requests: list[Request],
             extra: dict) -> SystemResult:
     """Time an in-process system and record this process's peak RSS."""
@@ -237,23 +252,36 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
     engine = LLMEngine(EngineConfig.create(model=str(model_dir), dtype=dtype, runtime=runtime, engine_dir=engine_dir,
                                            quantization=quantization))
     counter = iter(range(sys.maxsize))
+    first_token_s: list[float] = []
 
     def generate(batch: list[Request], progress: Progress) -> Outputs:
-        ids = {f"r{next(counter)}": i for i in range(len(batch))}
         outputs: Outputs = [[] for _ in batch]
-        for rid, i in ids.items():
+        waiting, ids, submitted = list(range(len(batch)))[::-1], {}, {}
+
+        def submit() -> None:
+            i = waiting.pop()
+            ids[rid := f"r{next(counter)}"], submitted[i] = i, time.perf_counter()
             engine.add_request(rid, batch[i].prompt_token_ids,
                                SamplingParams(max_tokens=batch[i].max_tokens, ignore_eos=True))
+
+        for _ in range(min(streams() or len(batch), len(batch))):
+            submit()
         while engine.has_unfinished():
             for out in engine.step():
-                outputs[ids[out.request_id]].extend(out.new_token_ids)
+                i = ids[out.request_id]
+                if out.new_token_ids and not outputs[i]:
+                    first_token_s.append(time.perf_counter() - submitted[i])
+                outputs[i].extend(out.new_token_ids)
                 if out.finished:
                     progress.update()
+                    if waiting:
+                        submit()
         return outputs
 
     system = "engine" + ("" if runtime == "torch" else f"_{runtime}") + ("" if quantization == "none" else
                                                                         f"_{quantization}")
     result = measure(system, dtype, generate, requests, extra={"runtime": runtime, "quantization": quantization})
+    result.extra["ttft_ms_median"] = round(1000 * statistics.median(first_token_s[-len(requests):]), 1)
     if rss_check is not None:
         # RSS after each tenth of the requests: allocator warm-up levels off, a leak keeps climbing
         more = load_workload(rss_check)
@@ -352,10 +380,27 @@ def run_vllm(model_dir: Path, dtype: str, requests: list[Request], rss_check: Pa
                        data["settings"])
 
 
+def run_llamacpp(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None) -> SystemResult:
+    """llama.cpp in its own venv on the model folder's GGUF: load_tests/llamacpp_offline_runner.py."""
+    from backend.engine.models.gguf_weights import gguf_file
+
+    if not LLAMACPP_PYTHON.exists():
+        raise FileNotFoundError(f"{LLAMACPP_PYTHON} missing: run `bash load_tests/llama_cpp_env.sh` first")
+    with tempfile.TemporaryDirectory() as tmp:
+        workload, report = Path(tmp) / "workload.json", Path(tmp) / "report.json"
+        save_workload(requests, workload)
+        subprocess.run(
+            [str(LLAMACPP_PYTHON), "-m", "load_tests.llamacpp_offline_runner", "--gguf", str(gguf_file(model_dir)),
+             "--workload", str(workload), "--threads", str(torch_threads()),
+             "--streams", str(streams() or len(requests)), "--out", str(report)], cwd=REPO, check=True)
+        data = json.loads(report.read_text())
+    return make_result("llamacpp", "gguf", requests, Timing(**data["timing"]), data["peak_rss_mib"], data["settings"])
+
+
 RUNNERS: dict[str, Callable[[Path, str, list[Request], Path | None], SystemResult]] = {
-    "engine": run_engine, "hf_static": run_hf_static, "hf_cb": run_hf_cb, "vllm": run_vllm,
+    "engine": run_engine, "hf_static": run_hf_static, "hf_cb": run_hf_cb, "vllm": run_vllm, "llamacpp": run_llamacpp,
     "engine_onnxruntime": functools.partial(run_engine, runtime="onnxruntime"),
-    "engine_int8": functools.partial(run_engine, quantization="int8"),
+    **{f"engine_{q}": functools.partial(run_engine, quantization=q) for q in QUANTIZED},
 }
 
 
@@ -407,9 +452,10 @@ def run_system(system: str, model_dir: Path, dtype: str, workload: Path, rss_che
 def ratios(results: list[SystemResult]) -> dict[tuple[str, str], dict[str, float]]:
     """Each result's throughput over each baseline's, in the same dtype."""
     base = {(r.system, r.dtype): r.output_tok_s for r in results if r.error is None}
+    gguf = next((v for (system, _), v in base.items() if system == "llamacpp"), None)  # one file, any dtype
     return {
-        (r.system, r.dtype): {f"x_{b}": round(r.output_tok_s / base[(b, r.dtype)], 2)
-                              for b in BASELINES if base.get((b, r.dtype))}
+        (r.system, r.dtype): {f"x_{b}": round(r.output_tok_s / (gguf if b == "llamacpp" else base[(b, r.dtype)]), 2)
+                              for b in BASELINES if (gguf if b == "llamacpp" else base.get((b, r.dtype)))}
         for r in results if r.error is None
     }
 
@@ -419,7 +465,8 @@ def table(results: list[SystemResult], threads: int) -> str:
     contended."""
     rel = ratios(results)
     head = (f"{'system':<12} {'dtype':<9} {'reqs':>5} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} "
-            f"{'x engine':>8} {'x hf_cb':>8} {'x vllm':>7} {'peak RSS MiB':>13} {'cpu util':>9} {'load 1m':>10}")
+            f"{'x engine':>8} {'x hf_cb':>8} {'x vllm':>7} {'x llama':>7} {'TTFT ms':>8} {'peak RSS MiB':>13} "
+            f"{'cpu util':>9} {'load 1m':>10}")
     lines = [head, "-" * len(head)]
     contended = False
     for r in results:
@@ -431,7 +478,8 @@ def table(results: list[SystemResult], threads: int) -> str:
         lines.append(f"{r.system:<12} {r.dtype:<9} {r.num_requests:>5} {r.output_tokens:>8} {r.wall_s:>8.2f} "
                      f"{r.output_tok_s:>10.1f} {x.get('x_engine', float('nan')):>8.2f} "
                      f"{x.get('x_hf_cb', float('nan')):>8.2f} "
-                     f"{x.get('x_vllm', float('nan')):>7.2f} {r.peak_rss_mib:>13.0f} {r.cpu_util:>9.2f} "
+                     f"{x.get('x_vllm', float('nan')):>7.2f} {x.get('x_llamacpp', float('nan')):>7.2f} "
+                     f"{r.extra.get('ttft_ms_median', float('nan')):>8.1f} {r.peak_rss_mib:>13.0f} {r.cpu_util:>9.2f} "
                      f"{load:>10}")
         if "rss_check" in r.extra:
             c = r.extra["rss_check"]
@@ -477,6 +525,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default="engine,hf_static,hf_cb",
                    help="comma list from engine,hf_static,hf_cb")
     p.add_argument("--vllm", action="store_true", help="also run vLLM CPU from .venv-vllm")
+    p.add_argument("--llamacpp", action="store_true", help="also run llama.cpp on the model's GGUF (.venv-llamacpp)")
+    p.add_argument("--streams", type=int, default=0,
+                   help="closed-loop streams for the engine systems and llamacpp (default: all requests at once)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -488,16 +539,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="OMP_WAIT_POLICY=PASSIVE for every system (for a machine shared with other work)")
     p.add_argument("--out", type=Path, default=Path("results/offline.json"))
     args = p.parse_args(argv)
-    args.systems = [s for s in args.systems.split(",") if s] + (["vllm"] if args.vllm else [])
+    args.systems = ([s for s in args.systems.split(",") if s] + (["vllm"] if args.vllm else [])
+                    + (["llamacpp"] if args.llamacpp else []))
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems: {sorted(unknown)}")
+    if args.streams and set(args.systems) - set(STREAMING):
+        p.error(f"--streams: {sorted(set(args.systems) - set(STREAMING))} take all requests at once")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every child
+    os.environ["BENCH_STREAMS"] = str(args.streams)
     if args.omp_passive:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     model_dir = resolve_model(args.model)
@@ -534,6 +589,7 @@ def main(argv: list[str] | None = None) -> None:
                      "excluded_special_ids": special,
                      "prompts": "random token ids", "ignore_eos": True},
         "threads": args.threads,
+        "streams": args.streams or len(requests),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "machine": {"cpu": cpu_summary(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},

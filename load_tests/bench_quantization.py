@@ -1,13 +1,14 @@
-"""What `quantization: int8` costs in quality and gives in GEMM speed, next to float32, on one model (SmolLM2 by
-default), named CPU.
+"""What `quantization` (int8, int4, gguf) costs in quality and gives in GEMM speed, next to float32, on one model
+(SmolLM2 by default: its float32 weights are its shipped Q4_1 GGUF dequantized), named CPU.
 
-Quality, each int8 tactic forced (backend/engine/runners/gemm.py), teacher-forced in one prefill per text:
+Quality, each quantized tactic forced (backend/engine/runners/gemm.py; int4's Q8_0 lm_head picks its own) and
+`gguf` (the model folder's file as stored), teacher-forced in one prefill per text:
 - perplexity on a fixed text every Python install ships (its LICENSE.txt, first `--tokens` tokens);
 - top-1 agreement with float32 over float32's own greedy outputs of fixed prompts (8 prompts x 64 tokens), and the
   largest |logit difference| there.
-Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8)
-do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN prepacked vs
-each int8 tactic.
+Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8,
+60 MB in int4) do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN
+prepacked vs each quantized tactic.
 
     python -m load_tests.bench_quantization [--model DIR] [--tokens 1024] [--out results/quantization.json]
 """
@@ -72,8 +73,9 @@ def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
 
     reference = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend="onednn"))
     report = {"float32": {"perplexity": round(reference["perplexity"], 4)}}
-    for tactic in (n for n, t in gemm.TACTICS.items() if t.quantization == "int8"):
-        got = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend=tactic, quantization="int8"))
+    runs = {name: (name, t.quantization) for name, t in gemm.TACTICS.items() if t.quantization != "none"}
+    for tactic, (backend, quantization) in {**runs, "gguf": ("auto", "gguf")}.items():
+        got = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend=backend, quantization=quantization))
         agree = [float((q.argmax(-1) == torch.tensor(g)).float().mean()) for q, g in zip(got["logits"], greedy)]
         error = max(float((q - r).abs().max()) for q, r in zip(got["logits"], reference["logits"]))
         report[tactic] = {"perplexity": round(got["perplexity"], 4), "top1_agreement": round(statistics.fmean(agree), 4),
@@ -89,7 +91,8 @@ def gemm_speed(layers: int = 30) -> dict[str, dict[int, float]]:
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     result: dict[str, dict[int, float]] = {}
-    for name in ("onednn", *(n for n, t in gemm.TACTICS.items() if t.quantization == "int8")):
+    runs_here = (n for n, t in gemm.TACTICS.items() if t.quantization != "none" and not gemm.why_not(n, torch.float32))
+    for name in ("onednn", *runs_here):
         g = torch.Generator().manual_seed(0)
         gemms = [[gemm.TACTICS[name].prepare(torch.randn(n, k, generator=g) * 0.02, None) for n, k in shapes]
                  for _ in range(layers)]

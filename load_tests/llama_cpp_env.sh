@@ -17,6 +17,6 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 # GGML_NATIVE: the build machine's own ISA (what our kernels get too); no BLAS, llama.cpp's own GEMMs
 CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$VENV/bin/pip" install --no-binary llama-cpp-python "$LLAMACPP"
+    "$VENV/bin/pip" install --no-binary llama-cpp-python "$LLAMACPP" psutil  # psutil: bench_offline's CPU time
 "$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())'
 touch "$STAMP"
