@@ -361,21 +361,24 @@ def run_hf_cb(model_dir: Path, dtype: str, requests: list[Request], rss_check: P
         return measure("hf_cb", dtype, generate, requests, extra=settings)
 
 
-def run_vllm(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None) -> SystemResult:
-    """vLLM in its own venv: load_tests/vllm_offline_runner.py times the generate call and writes JSON."""
-    if not VLLM_PYTHON.exists():
-        raise FileNotFoundError(f"{VLLM_PYTHON} missing: run `bash load_tests/vllm_env.sh` first")
+def _in_own_venv(python: Path, setup: str, module: str, requests: list[Request], args: list[str],
+                 env: dict[str, str] | None = None) -> dict:
+    """Run a baseline's runner module in its own venv on `requests`; it times itself and writes a JSON report."""
+    if not python.exists():
+        raise FileNotFoundError(f"{python} missing: run `bash load_tests/{setup}` first")
     with tempfile.TemporaryDirectory() as tmp:
         workload, report = Path(tmp) / "workload.json", Path(tmp) / "report.json"
         save_workload(requests, workload)
-        subprocess.run(
-            [str(VLLM_PYTHON), "-m", "load_tests.vllm_offline_runner", "--model", str(model_dir),
-             "--dtype", dtype, "--workload", str(workload), "--threads", str(torch_threads()),
-             "--out", str(report)],
-            cwd=REPO, env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")},
-            check=True,
-        )
-        data = json.loads(report.read_text())
+        subprocess.run([str(python), "-m", module, "--workload", str(workload), "--threads", str(torch_threads()),
+                        "--out", str(report), *args], cwd=REPO, env={**os.environ, **(env or {})}, check=True)
+        return json.loads(report.read_text())
+
+
+def run_vllm(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None) -> SystemResult:
+    """vLLM in its own venv: load_tests/vllm_offline_runner.py times the generate call and writes JSON."""
+    data = _in_own_venv(VLLM_PYTHON, "vllm_env.sh", "load_tests.vllm_offline_runner", requests,
+                        ["--model", str(model_dir), "--dtype", dtype],
+                        {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")})
     return make_result("vllm", dtype, requests, Timing(**data["timing"]), data["peak_rss_mib"],
                        data["settings"])
 
@@ -384,16 +387,8 @@ def run_llamacpp(model_dir: Path, dtype: str, requests: list[Request], rss_check
     """llama.cpp in its own venv on the model folder's GGUF: load_tests/llamacpp_offline_runner.py."""
     from backend.engine.models.gguf_weights import gguf_file
 
-    if not LLAMACPP_PYTHON.exists():
-        raise FileNotFoundError(f"{LLAMACPP_PYTHON} missing: run `bash load_tests/llama_cpp_env.sh` first")
-    with tempfile.TemporaryDirectory() as tmp:
-        workload, report = Path(tmp) / "workload.json", Path(tmp) / "report.json"
-        save_workload(requests, workload)
-        subprocess.run(
-            [str(LLAMACPP_PYTHON), "-m", "load_tests.llamacpp_offline_runner", "--gguf", str(gguf_file(model_dir)),
-             "--workload", str(workload), "--threads", str(torch_threads()),
-             "--streams", str(streams() or len(requests)), "--out", str(report)], cwd=REPO, check=True)
-        data = json.loads(report.read_text())
+    data = _in_own_venv(LLAMACPP_PYTHON, "llama_cpp_env.sh", "load_tests.llamacpp_offline_runner", requests,
+                        ["--gguf", str(gguf_file(model_dir)), "--streams", str(streams() or len(requests))])
     return make_result("llamacpp", "gguf", requests, Timing(**data["timing"]), data["peak_rss_mib"], data["settings"])
 
 
