@@ -16,7 +16,7 @@ rate, requests arrive as a seeded Poisson process until --num-requests are sent 
 passed; every sent request then runs to its end (bounded by --request-timeout per response). After the
 rates, a burst sends all of its requests at once: the saturation throughput. Finally the offline engine
 (LLMEngine in a fresh process, no server) runs the burst's prompt ids: saturation tok/s over offline tok/s
-is the serving overhead.
+is the serving overhead (an `ours@quantization=Q` system is held to the offline engine with the same Q).
 
     python -m load_tests.bench_online [--model default|DIR] [--rates 0.5,1,2,4,8] [--num-requests 64]
         [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--out results/online]
@@ -334,8 +334,14 @@ def sustainable_rate(results: list[RateResult], system: str) -> float | None:
     return max(passed, default=None)
 
 
+def offline_system(system: str) -> str:
+    """The bench_offline system an `ours@...` system's serving overhead is measured against."""
+    quantization = llm_settings(system).get("quantization", "none")
+    return "engine" if quantization == "none" else f"engine_{quantization}"
+
+
 def summary(results: list[RateResult], systems: list[str], rates: list[float],
-            offline: Offline | None) -> dict:
+            offline: dict[str, Offline]) -> dict:
     sustainable = {s: sustainable_rate(results, s) for s in systems}
     bursts = {r.system: r for r in results if r.rate == BURST}
     out: dict = {"sustainable_rate": sustainable,
@@ -345,12 +351,13 @@ def summary(results: list[RateResult], systems: list[str], rates: list[float],
                  "saturation_cpus": {s: (round(r.server_cpu_s / max(r.duration_s, 1e-9), 2),
                                          round(r.client_cpu_s / max(r.duration_s, 1e-9), 2))
                                      for s, r in bursts.items()},
-                 "offline_engine": asdict(offline) if offline else None}
+                 "offline_engine": asdict(offline["engine"]) if "engine" in offline else None,
+                 **{f"offline_{k}": asdict(v) for k, v in offline.items() if k != "engine"}}
     for name, burst in bursts.items():  # ours, and ours@settings: served_over_offline@settings
-        if name.partition("@")[0] == "ours" and offline:
+        if name.partition("@")[0] == "ours" and (own := offline.get(offline_system(name))):
             variant = name[len("ours"):]
-            out[f"served_over_offline{variant}"] = round(burst.output_tok_s / offline.tok_s, 3)
-            out[f"served_over_offline_per_cpu_s{variant}"] = round(burst.tok_per_cpu_s / offline.tok_per_cpu_s, 3)
+            out[f"served_over_offline{variant}"] = round(burst.output_tok_s / own.tok_s, 3)
+            out[f"served_over_offline_per_cpu_s{variant}"] = round(burst.tok_per_cpu_s / own.tok_per_cpu_s, 3)
     if "ours" in sustainable and "static" in sustainable:
         ours, static = sustainable["ours"], sustainable["static"]
         if ours and static:
@@ -393,7 +400,8 @@ def markdown(results: list[RateResult], info: dict, totals: dict) -> str:
                      f"({offline['tok_per_cpu_s']:.1f} per CPU-s). Served over offline: "
                      f"{totals.get('served_over_offline', 'n/a')} in tok/s (target >= {TARGET_OVERHEAD:g}), "
                      f"{totals.get('served_over_offline_per_cpu_s', 'n/a')} in tok per CPU-s")
-        lines += [f"- {key}: {value}" for key, value in totals.items() if key.startswith("served_over_offline@")]
+    lines += [f"- {key}: {value}" for key, value in totals.items()
+              if key.startswith(("served_over_offline@", "offline_engine_"))]
     failures = [(r.system, _rate(r.rate), f) for r in results for f in r.failures]
     for system, rate, message in failures[:10]:
         lines.append(f"- failure ({system}, rate {rate}): {message}")
@@ -458,11 +466,12 @@ def plot(results: list[RateResult], systems: list[str], rates: list[float], cdf_
 # --------------------------------------------------------------------------- main
 
 
-def offline_engine(model_dir: Path, dtype: str, threads: int, items: list[Item], tmp: Path) -> Offline | None:
+def offline_engine(model_dir: Path, dtype: str, threads: int, items: list[Item], tmp: Path,
+                   system: str = "engine") -> Offline | None:
     """bench_offline's engine run (fresh process, warm-up untimed) on the servers' prompt ids."""
     workload = tmp / "online_workload.json"
     save_workload([Request(i.prompt_ids, i.max_tokens) for i in items], workload)
-    result = run_system("engine", model_dir, dtype, workload, None, wait_idle_s=0)
+    result = run_system(system, model_dir, dtype, workload, None, wait_idle_s=0)
     if result.error is not None:
         return None
     cpu_s = result.cpu_util * result.wall_s * threads
@@ -548,10 +557,12 @@ def main(argv: list[str] | None = None) -> None:
             except (RuntimeError, TimeoutError, OSError) as err:  # one system failing keeps the others
                 errors[system] = str(err)
                 print(f"  {system} failed: {err}", file=sys.stderr)
-        offline = None
-        if not args.no_offline:
-            print("[offline engine]", file=sys.stderr, flush=True)
-            offline = offline_engine(model_dir, args.dtype, args.threads, items, tmp)
+        offline: dict[str, Offline] = {}
+        for system in [] if args.no_offline else dict.fromkeys(offline_system(s) for s in args.systems
+                                                               if s.partition("@")[0] == "ours"):
+            print(f"[offline {system}]", file=sys.stderr, flush=True)
+            if result := offline_engine(model_dir, args.dtype, args.threads, items, tmp, system):
+                offline[system] = result
 
     done_systems = [s for s in args.systems if s not in errors]
     totals = summary(results, done_systems, args.rates, offline)

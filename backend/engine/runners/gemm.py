@@ -293,7 +293,8 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
     chosen: dict[str, str] = {}
     for form in sorted(set(forms.values()), key=str):
         names = [name for name in linears if forms[name] == form]
-        own = backend if forced in (None, form[0]) or forced not in served else "auto"  # else: refused by name
+        # a forced tactic serves its own form; one of no form served here goes to each, which refuses it by name
+        own = backend if forced in (None, form[0]) or forced not in served else "auto"
         picks = choose(sorted({shapes[n] for n in names}, key=lambda s: s.key), dtype, device, own, *form)
         chosen.update({name: picks[shapes[name]] for name in names})
     for name, linear in linears.items():
