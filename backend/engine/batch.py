@@ -74,7 +74,8 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
     t = 0
     for s, (seq, n) in enumerate(scheduled):
         start = seq.num_computed_tokens
-        token_ids[t:t + n] = (seq.token_ids + seq.draft_token_ids)[start:start + n]
+        chunk = seq.token_ids[start:start + n]  # then the speculative drafts, which follow the last token
+        token_ids[t:t + n] = chunk + seq.draft_token_ids[:n - len(chunk)]
         positions[t:t + n] = np.arange(start, start + n)
         query_start[s + 1] = t + n
         context_lens[s] = start + n
