@@ -12,8 +12,6 @@ top-1 agreement >= 90 % over float32's greedy outputs (load_tests/bench_quantiza
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +27,9 @@ from backend.engine.sampling import SamplingParams
 from backend.serving.model_store import prepare_default_model
 from backend.serving.tokenizer import load_tokenizer
 from load_tests.bench_quantization import fixed_text
-from tests.test_quantization import TOKENS, all_logits
+from tests.test_quantization import TOKENS, all_logits, loaded_rss
 from tests.tiny_gguf import write_gguf
 
-REPO = Path(__file__).resolve().parents[1]
 BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes per block
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
@@ -114,28 +111,13 @@ def test_the_default_model_is_served_as_shipped():
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
-RSS_SCRIPT = """
-import ctypes, sys, torch
-from backend.engine.runners.torch_runner import TorchRunner
-runner = TorchRunner(sys.argv[1], "float32", 16, 16, gemm_backend=sys.argv[2], quantization=sys.argv[3])
-ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed load-time temporaries the allocator kept are not weights
-print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024)
-"""
-
-
 def test_the_process_holds_the_file_not_its_float_copy():
     """SmolLM2 served from its GGUF in a fresh process holds ~100 MB of blocks where float32 holds 540 MB: the
     process is at least 80 % of that difference smaller (its float copies are released)."""
     folder = prepare_default_model(verbose=False)
 
-    def rss(tactic: str, quantization: str) -> int:
-        proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(folder), tactic, quantization], cwd=REPO,
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr
-        return int(proc.stdout.split()[-1])
-
     stored = sum(os.path.getsize(f) for f in folder.glob("*.gguf"))
     float_bytes = sum(os.path.getsize(f) for f in folder.glob("*.safetensors"))
-    rss("auto", "gguf")  # the first start times the lm_head's int8 tactics (cached): its garbage is not weights
-    dropped = rss("onednn", "none") - rss("auto", "gguf")
+    loaded_rss(folder, "auto", "gguf")  # the first start times the lm_head's int8 tactics (cached): not weights
+    dropped = loaded_rss(folder, "onednn", "none") - loaded_rss(folder, "auto", "gguf")
     assert dropped >= 0.8 * (float_bytes - stored), (dropped / 2**20, (float_bytes - stored) / 2**20)

@@ -171,10 +171,17 @@ RSS_SCRIPT = """
 import ctypes, sys, torch
 from backend.engine.runners.torch_runner import TorchRunner
 runner = TorchRunner(sys.argv[1], "float32", 16, 16, gemm_backend=sys.argv[2], quantization=sys.argv[3])
-runner.forward  # loaded
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed load-time temporaries the allocator kept are not weights
 print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024)
 """
+
+
+def loaded_rss(model: Path, tactic: str, quantization: str) -> int:
+    """The RSS of a fresh process (1 thread) that has loaded `model` so."""
+    proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model), tactic, quantization], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split()[-1])
 
 
 def test_the_process_shrinks_by_what_the_weights_shrank(tmp_path):
@@ -186,16 +193,10 @@ def test_the_process_shrinks_by_what_the_weights_shrank(tmp_path):
     linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
     shrink = sum(m.weight.numel() * (4 - 1 - 4 / 32) for m in linears)
 
-    def rss(tactic: str, quantization: str) -> int:
-        proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(model), tactic, quantization], cwd=REPO,
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr
-        return int(proc.stdout.split()[-1])
-
-    dropped = rss("onednn", "none") - rss("q8_0", "int8")
+    dropped = loaded_rss(model, "onednn", "none") - loaded_rss(model, "q8_0", "int8")
     assert dropped >= 0.8 * shrink, (dropped / 2**20, shrink / 2**20)
     lm_head = runner.model.lm_head.weight.numel()  # int4 keeps it in Q8_0
     shrink4 = sum(m.weight.numel() * (4 - 0.5 - 8 / 32) for m in linears) - lm_head * (1 + 4 / 32 - 0.5 - 8 / 32)
-    rss("q4_1_w4a8", "int4")  # the first start times its lm_head's int8 tactics (cached): its garbage is not weights
-    dropped = rss("onednn", "none") - rss("q4_1_w4a8", "int4")
+    loaded_rss(model, "q4_1_w4a8", "int4")  # the first start times its lm_head's int8 tactics (cached): not weights
+    dropped = loaded_rss(model, "onednn", "none") - loaded_rss(model, "q4_1_w4a8", "int4")
     assert dropped >= 0.8 * shrink4, (dropped / 2**20, shrink4 / 2**20)
