@@ -51,6 +51,13 @@ def all_logits(runner, tokens: list[int]) -> torch.Tensor:
     return runner.forward(build_model_input([(seq, len(tokens))], 16, 64, [len(tokens)]))
 
 
+def quantized_tactics() -> list[str]:
+    """The quantized tactics that run on this CPU (q8_0_w8a8 needs AVX512-VNNI)."""
+    from backend.engine.runners import gemm
+
+    return [n for n, t in gemm.TACTICS.items() if t.quantization != "none" and not gemm.why_not(n, torch.float32)]
+
+
 def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
     from backend.engine import EngineConfig, LLMEngine
     from backend.engine.runners import gemm
@@ -73,7 +80,7 @@ def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
 
     reference = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend="onednn"))
     report = {"float32": {"perplexity": round(reference["perplexity"], 4)}}
-    runs = {name: (name, t.quantization) for name, t in gemm.TACTICS.items() if t.quantization != "none"}
+    runs = {name: (name, gemm.TACTICS[name].quantization) for name in quantized_tactics()}
     for tactic, (backend, quantization) in {**runs, "gguf": ("auto", "gguf")}.items():
         got = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend=backend, quantization=quantization))
         agree = [float((q.argmax(-1) == torch.tensor(g)).float().mean()) for q, g in zip(got["logits"], greedy)]
@@ -91,8 +98,7 @@ def gemm_speed(layers: int = 30) -> dict[str, dict[int, float]]:
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     result: dict[str, dict[int, float]] = {}
-    runs_here = (n for n, t in gemm.TACTICS.items() if t.quantization != "none" and not gemm.why_not(n, torch.float32))
-    for name in ("onednn", *runs_here):
+    for name in ("onednn", *quantized_tactics()):
         g = torch.Generator().manual_seed(0)
         gemms = [[gemm.TACTICS[name].prepare(torch.randn(n, k, generator=g) * 0.02, None) for n, k in shapes]
                  for _ in range(layers)]

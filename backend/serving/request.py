@@ -37,9 +37,9 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 MAX_ENTRIES = {"stop_words": 256, "bad_words": 256}
 MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096, "cache_salt": 4096,
              "guided_decoding_guide": 1 << 18}
+MAX_STREAM_INTERVAL = 256
 # The fields the engine names in its errors (LLMEngine.add_request, SamplingParams.validate) -> the inputs
 # that set them in parse_request, so that an error names what the client sent, on every front door.
-MAX_STREAM_INTERVAL = 256
 ENGINE_FIELD_INPUTS = {"prompt_token_ids": "input_ids (text_input once tokenized)",
                        "stop_token_ids": "end_id", "bad_words_ids": "bad_words",
                        "min_tokens": "min_tokens (or min_length)", "n": "num_return_sequences"}

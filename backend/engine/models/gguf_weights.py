@@ -13,9 +13,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.models.llama import ModelConfig
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, cat_rows, from_gguf, take_rows
-
-Blocks = Q8Blocks | Q4Blocks
+from backend.engine.models.weight_blocks import Blocks, cat_rows, from_gguf, take_rows
 
 
 def gguf_file(model_dir: str | Path) -> Path:

@@ -40,6 +40,9 @@ class Q4Blocks:
         return (self.q.float().reshape(n, -1, BLOCK) * self.d[..., None] + self.m[..., None]).reshape(n, k)
 
 
+Blocks = Q8Blocks | Q4Blocks
+
+
 def _blocks_of(weight: torch.Tensor, form: str) -> torch.Tensor:
     n, k = weight.shape
     if k % BLOCK:
@@ -76,7 +79,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Q8Blocks | Q4Blocks:
+def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
     """A GGUF tensor's raw blocks (uint8 [rows, bytes per row]) as Q8Blocks / Q4Blocks, values unchanged."""
     nb = cols // BLOCK
     if type_name == "Q8_0":  # per block: d f16, 32 x int8
@@ -104,14 +107,14 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Q8Block
     raise ValueError(f"quantization: gguf serves Q8_0, Q4_0, Q4_1 and Q4_K tensors, not {type_name}")
 
 
-def take_rows(blocks: Q8Blocks | Q4Blocks, index: torch.Tensor) -> Q8Blocks | Q4Blocks:
+def take_rows(blocks: Blocks, index: torch.Tensor) -> Blocks:
     """The same blocks with their output channels reordered (a row is whole blocks, so nothing is rounded)."""
     if isinstance(blocks, Q8Blocks):
         return Q8Blocks(blocks.q[index], blocks.scale[index])
     return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
 
 
-def cat_rows(parts: list[Q8Blocks | Q4Blocks]) -> Q8Blocks | Q4Blocks:
+def cat_rows(parts: list[Blocks]) -> Blocks:
     """Output channels stacked (q/k/v and gate/up are fused): all parts must be one form."""
     kinds = {type(p) for p in parts}
     if len(kinds) != 1:
@@ -125,7 +128,7 @@ def cat_rows(parts: list[Q8Blocks | Q4Blocks]) -> Q8Blocks | Q4Blocks:
 class BlockEmbedding(nn.Module):
     """An embedding table kept in its blocks (a GGUF's token_embd): the looked-up rows are dequantized."""
 
-    def __init__(self, blocks: Q8Blocks | Q4Blocks, dtype: torch.dtype):
+    def __init__(self, blocks: Blocks, dtype: torch.dtype):
         super().__init__()
         self.blocks, self.dtype = blocks, dtype
 

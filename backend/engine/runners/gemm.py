@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, q4_1, q8_0
+from backend.engine.models.weight_blocks import Blocks, Q4Blocks, Q8Blocks, q4_1, q8_0
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
@@ -267,7 +267,7 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     return {k: v["choice"] for k, v in chosen.items()}
 
 
-def _form(quantization: str, name: str, stored: dict[str, Q8Blocks | Q4Blocks] | None) -> tuple[str, type | None]:
+def _form(quantization: str, name: str, stored: dict[str, Blocks] | None) -> tuple[str, type | None]:
     """(tactic quantization, stored block form) that serve Linear `name`."""
     if quantization == "gguf":
         return ("int8", Q8Blocks) if isinstance(stored[name], Q8Blocks) else ("int4", Q4Blocks)
@@ -277,7 +277,7 @@ def _form(quantization: str, name: str, stored: dict[str, Q8Blocks | Q4Blocks] |
 
 
 def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none",
-                stored: dict[str, Q8Blocks | Q4Blocks] | None = None) -> dict[Shape, str]:
+                stored: dict[str, Blocks] | None = None) -> dict[Shape, str]:
     """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from `stored`
     blocks by its name; a tactic that keeps its own copy of the weight (packed, float32 or int8) releases the
     module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
