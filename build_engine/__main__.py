@@ -2,6 +2,7 @@
 -> the `llm` model's config.pbtxt pointed at the engine. Progress per stage goes to stderr.
 
     python -m build_engine --model default --output engines/smollm2 --runtime onnxruntime
+    python -m build_engine --model default --output engines/smollm2-int4 --runtime onnxruntime --quantization int4
     python -m build_engine --model default --output engines/smollm2-trt --runtime tensorrt --dtype bfloat16 \\
         --max-num-tokens 512 --max-num-seqs 64 --llm-config model_repository/llm/config.pbtxt
 """
@@ -19,6 +20,7 @@ from backend.engine.models.llama import load_model_config
 from backend.engine.runners.base import DTYPES
 from backend.engine.runners.manifest import max_blocks_per_seq
 from backend.serving.model_store import Stages, resolve_model_dir
+from build_engine.quantize_onnx import BITS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,6 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", required=True, help="engine folder to write (replaced if it is an engine folder)")
     p.add_argument("--runtime", choices=("onnxruntime", "tensorrt"), required=True)
     p.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
+    p.add_argument("--quantization", choices=("none", *BITS), default="none",
+                   help="onnxruntime: the Linears as MatMulNBits in int8 or int4 (from float32 weights)")
     p.add_argument("--opset", type=int, default=None,
                    help="ONNX opset (default: 23 for onnxruntime, 18 for tensorrt; 23 needs TensorRT >= 10.14)")
     p.add_argument("--max-num-tokens", type=int, default=defaults.scheduler.max_num_batched_tokens,
@@ -44,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # Fail before minutes of export, not after.
     if args.llm_config is not None and not args.llm_config.is_file():
         p.error(f"--llm-config: no file {args.llm_config}")
+    if args.quantization != "none" and (args.runtime, args.dtype) != ("onnxruntime", "float32"):
+        p.error(f"--quantization {args.quantization}: quantized graphs are built for --runtime onnxruntime from "
+                f"--dtype float32")
     if args.runtime == "tensorrt" and importlib.util.find_spec("tensorrt") is None:
         p.error("--runtime tensorrt: the tensorrt package is not installed here (GPU hosts / the Docker image)")
     return args
@@ -52,13 +59,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     output = Path(args.output).resolve()
-    progress = Stages("build_engine", total=4 + (args.runtime == "tensorrt") + (args.llm_config is not None))
+    progress = Stages("build_engine", total=4 + 2 * (args.quantization != "none") + (args.runtime == "tensorrt")
+                      + (args.llm_config is not None))
     with progress.stage(f"preparing model {args.model}"):
         model_dir = resolve_model_dir(args.model)
     from build_engine.export_onnx import OPSETS, export_engine_dir
 
     opset = args.opset or OPSETS[args.runtime]
-    check = export_engine_dir(model_dir, output, args.dtype, opset, progress.stage)  # stages 2-4
+    check = export_engine_dir(model_dir, output, args.dtype, opset, progress.stage, args.quantization)  # 2-4 (6)
     progress.say(str(check))
     if args.runtime == "tensorrt":
         from build_engine.tensorrt_build import BuildLimits, build_plan
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         from build_engine.llm_config import update_llm_config
 
         with progress.stage(f"pointing {args.llm_config} at {output}"):
-            update_llm_config(args.llm_config, args.runtime, output, args.dtype)
+            update_llm_config(args.llm_config, args.runtime, output, args.dtype, args.quantization)
     progress.say(f"engine ready in {output} ({time.perf_counter() - progress.start:.1f} s)")
 
 

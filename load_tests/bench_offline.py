@@ -3,7 +3,7 @@
 Systems, each run in a fresh child process (so peak RSS and thread pools are its own):
   engine     our LLMEngine, driven through add_request/step
   engine_int8, engine_int4, engine_gguf  the same with `quantization` set (engine_onnxruntime: the exported graph
-             on ONNX Runtime)
+             on ONNX Runtime; engine_onnxruntime_int8 / _int4: its Linears as MatMulNBits)
   hf_static  HF `generate` on static, left-padded batches of 8 (the picture before continuous batching)
   hf_cb      HF's own continuous batching manager, each request with its own max_new_tokens
   vllm       vLLM's CPU build in its own venv (.venv-vllm, made by load_tests/vllm_env.sh), with --vllm
@@ -54,9 +54,11 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
 DTYPES = ("float32", "bfloat16")
 QUANTIZED = ("int8", "int4", "gguf")
-SYSTEMS = ("engine", "engine_onnxruntime", *(f"engine_{q}" for q in QUANTIZED), "hf_static", "hf_cb", "vllm",
-           "llamacpp")
-STREAMING = ("engine", "engine_onnxruntime", *(f"engine_{q}" for q in QUANTIZED), "llamacpp")  # take --streams
+ONNX_QUANTIZED = ("int8", "int4")
+ENGINES = ("engine", "engine_onnxruntime", *(f"engine_{q}" for q in QUANTIZED),
+           *(f"engine_onnxruntime_{q}" for q in ONNX_QUANTIZED))
+SYSTEMS = (*ENGINES, "hf_static", "hf_cb", "vllm", "llamacpp")
+STREAMING = (*ENGINES, "llamacpp")  # take --streams
 BASELINES = ("engine", "hf_cb", "vllm", "llamacpp")  # the table shows each system's ratio to these
 STATIC_BATCH = 8
 RSS_CHECK_REQUESTS = 1000
@@ -248,7 +250,7 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
     if runtime == "onnxruntime":  # exported once into .cache/engines/, like `python -m build_engine`
         from build_engine.export_onnx import cached_engine_dir
 
-        engine_dir = str(cached_engine_dir(model_dir, dtype))
+        engine_dir = str(cached_engine_dir(model_dir, dtype, quantization))
     engine = LLMEngine(EngineConfig.create(model=str(model_dir), dtype=dtype, runtime=runtime, engine_dir=engine_dir,
                                            quantization=quantization))
     counter = iter(range(sys.maxsize))
@@ -396,6 +398,8 @@ RUNNERS: dict[str, Callable[[Path, str, list[Request], Path | None], SystemResul
     "engine": run_engine, "hf_static": run_hf_static, "hf_cb": run_hf_cb, "vllm": run_vllm, "llamacpp": run_llamacpp,
     "engine_onnxruntime": functools.partial(run_engine, runtime="onnxruntime"),
     **{f"engine_{q}": functools.partial(run_engine, quantization=q) for q in QUANTIZED},
+    **{f"engine_onnxruntime_{q}": functools.partial(run_engine, runtime="onnxruntime", quantization=q)
+       for q in ONNX_QUANTIZED},
 }
 
 

@@ -6,6 +6,7 @@ Quality, each quantized tactic forced (backend/engine/runners/gemm.py; int4's Q8
 - perplexity on a fixed text every Python install ships (its LICENSE.txt, first `--tokens` tokens);
 - top-1 agreement with float32 over float32's own greedy outputs of fixed prompts (8 prompts x 64 tokens), and the
   largest |logit difference| there.
+The same for the ONNX Runtime runner's int8 and int4 graphs (exported once into .cache/engines/).
 Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8,
 60 MB in int4) do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN
 prepacked vs each quantized tactic.
@@ -16,6 +17,7 @@ prepacked vs each quantized tactic.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -58,6 +60,14 @@ def quantized_tactics() -> list[str]:
     return [n for n, t in gemm.TACTICS.items() if t.quantization != "none" and not gemm.why_not(n, torch.float32)]
 
 
+def onnx_runner(model: Path, dtype: str, blocks: int, block_size: int, quantization: str):
+    from backend.engine.runners.onnx_runner import OnnxRunner
+    from build_engine.export_onnx import cached_engine_dir
+
+    return OnnxRunner(cached_engine_dir(model, dtype, quantization), model, dtype, blocks, block_size,
+                      quantization=quantization)
+
+
 def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
     from backend.engine import EngineConfig, LLMEngine
     from backend.engine.runners import gemm
@@ -80,9 +90,13 @@ def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
 
     reference = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend="onednn"))
     report = {"float32": {"perplexity": round(reference["perplexity"], 4)}}
-    runs = {name: (name, gemm.TACTICS[name].quantization) for name in quantized_tactics()}
-    for tactic, (backend, quantization) in {**runs, "gguf": ("auto", "gguf")}.items():
-        got = measure(TorchRunner(model, "float32", blocks, 16, gemm_backend=backend, quantization=quantization))
+    runs = {name: functools.partial(TorchRunner, gemm_backend=name, quantization=gemm.TACTICS[name].quantization)
+            for name in quantized_tactics()}
+    runs["gguf"] = functools.partial(TorchRunner, quantization="gguf")
+    for q in ("int8", "int4"):  # the exported graph's MatMulNBits (build_engine/quantize_onnx.py)
+        runs[f"onnxruntime_{q}"] = functools.partial(onnx_runner, quantization=q)
+    for tactic, runner in runs.items():
+        got = measure(runner(model, "float32", blocks, 16))
         agree = [float((q.argmax(-1) == torch.tensor(g)).float().mean()) for q, g in zip(got["logits"], greedy)]
         error = max(float((q - r).abs().max()) for q, r in zip(got["logits"], reference["logits"]))
         report[tactic] = {"perplexity": round(got["perplexity"], 4), "top1_agreement": round(statistics.fmean(agree), 4),

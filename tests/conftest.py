@@ -28,6 +28,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama exported for ONNX Runtime (float32)."""
+    from build_engine.export_onnx import OPSETS, export_engine_dir
+
+    engine_dir = tmp_path_factory.mktemp("tiny_onnx") / "engine"
+    export_engine_dir(tiny_model_dir, engine_dir, "float32", OPSETS["onnxruntime"])
+    return engine_dir
+
+
+@pytest.fixture(scope="session")
 def random_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama's shapes with a 1,000-token vocabulary and no tokenizer (runs where SmolLM2 is not: GPU hosts)."""
     from transformers import LlamaConfig

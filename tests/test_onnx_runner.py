@@ -24,13 +24,6 @@ from tests.test_engine_correctness import SCENARIOS, run, workload
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    engine_dir = tmp_path_factory.mktemp("tiny_onnx") / "engine"
-    export_engine_dir(tiny_model_dir, engine_dir, "float32", OPSETS["onnxruntime"])
-    return engine_dir
-
-
-@pytest.fixture(scope="session")
 def smollm2_engine_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     engine_dir = tmp_path_factory.mktemp("smollm2_onnx") / "engine"
     export_engine_dir(smollm2_dir, engine_dir, "float32", OPSETS["onnxruntime"])
@@ -120,7 +113,7 @@ def test_cached_engine_dir_exports_once_and_again_when_weights_change(tiny_model
     monkeypatch.setenv("LLM_ENGINE_CACHE", str(tmp_path))
     exports: list[Path] = []
 
-    def fake_export(model_dir, engine_dir, dtype, opset, stage=None):
+    def fake_export(model_dir, engine_dir, dtype, opset, quantization="none"):
         exports.append(Path(engine_dir))
         shutil.copytree(tiny_engine_dir, engine_dir, dirs_exist_ok=True)
 

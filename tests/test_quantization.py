@@ -158,8 +158,10 @@ def test_int8_auto_picks_among_int8_tactics_and_serves(tiny_model_dir):
                                                          "int8 tactic"),
     ({"quantization": "none", "gemm_backend": "q8_0"}, "gemm_backend: q8_0 cannot run float32 on this cpu (not a "
                                                        "none tactic"),
-    ({"quantization": "int8", "runtime": "onnxruntime", "engine_dir": "/nonexistent"},
-     "quantization: int8 is served by runtime torch only"),
+    ({"quantization": "gguf", "runtime": "onnxruntime", "engine_dir": "/nonexistent"},
+     "quantization: gguf is served by runtime torch, not onnxruntime"),
+    ({"quantization": "int4", "runtime": "tensorrt", "engine_dir": "/nonexistent"},
+     "quantization: int4 is served by runtime torch and onnxruntime, not tensorrt"),
 ])
 def test_bad_quantization_settings_are_refused_by_name(tiny_model_dir, settings, words):
     with pytest.raises(ValueError) as err:

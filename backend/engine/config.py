@@ -81,7 +81,9 @@ class EngineConfig:
     attention: str = "auto"  # torch runtime: kernel (CPU C++) | triton (GPU) | gather (the exported graph) | auto
     cuda_graphs: bool = True  # torch runtime on CUDA with triton attention: decode steps replay CUDA graphs
     gemm_backend: str = "auto"  # torch runtime: auto (measured per shape) | a tactic's name (runners/gemm.py)
-    quantization: str = "none"  # torch runtime, CPU: none | int8 | int4 (rounded at load) | gguf (the folder's GGUF as stored)
+    # CPU: none | int8 | int4 (runtime torch: rounded at load; onnxruntime: the engine_dir built with it) | gguf (torch:
+    # the folder's GGUF as stored)
+    quantization: str = "none"
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     q_tile: int = 16  # attention row width for prefill chunks (see backend/engine/batch.py)
     # served streams: after its first, a sequence's outputs go out N steps at a time (the serving loop applies it,

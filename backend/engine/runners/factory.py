@@ -25,9 +25,9 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
 
         return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
                            config.gemm_backend, config.quantization)
-    if config.quantization != "none":
-        raise ValueError(f"quantization: {config.quantization} is served by runtime torch only (the exported graph "
-                         f"carries float weights), not {config.runtime}")
+    if config.quantization == "gguf" or (config.quantization != "none" and config.runtime == "tensorrt"):
+        raise ValueError(f"quantization: {config.quantization} is served by runtime torch"
+                         f"{'' if config.quantization == 'gguf' else ' and onnxruntime'}, not {config.runtime}")
     if config.attention == "kernel":
         raise ValueError(f"attention: the kernel is for runtime torch; {config.runtime} runs the gather graph")
     if config.runtime not in ("onnxruntime", "tensorrt"):
@@ -38,7 +38,8 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     if config.runtime == "onnxruntime":
         from backend.engine.runners.onnx_runner import OnnxRunner
 
-        return OnnxRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size, config.device)
+        return OnnxRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size, config.device,
+                          config.quantization)
     from backend.engine.runners.tensorrt_runner import TensorRTRunner
 
     sched = config.scheduler

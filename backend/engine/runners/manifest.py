@@ -94,6 +94,7 @@ class EngineManifest:
     weights: list[list]  # [file name, size, mtime_ns] of the source safetensors, to spot a changed model
     tensorrt: TensorRTPlan | None = None
     graph_inputs: list[str] = dataclasses.field(default_factory=lambda: list(INPUT_NAMES))  # as exported
+    quantization: str = "none"  # none, or int8 / int4: the Linears as MatMulNBits (build_engine/quantize_onnx.py)
 
     def save(self, engine_dir: str | Path) -> None:
         (Path(engine_dir) / MANIFEST_FILE).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
@@ -113,6 +114,7 @@ class EngineManifest:
             opset=raw["opset"],
             weights=raw["weights"],
             graph_inputs=raw.get("graph_inputs", []),
+            quantization=raw.get("quantization", "none"),
             tensorrt=None if trt is None else TensorRTPlan(
                 plan_file=trt["plan_file"],
                 tensorrt_version=trt["tensorrt_version"],
@@ -120,12 +122,15 @@ class EngineManifest:
             ),
         )
 
-    def verify(self, model_config: ModelConfig, dtype: str) -> None:
+    def verify(self, model_config: ModelConfig, dtype: str, quantization: str = "none") -> None:
         if self.graph_inputs != list(INPUT_NAMES):
             raise EngineMismatchError(f"engine's graph takes {self.graph_inputs or 'other inputs (an older export)'}, "
                                       f"this runner feeds {list(INPUT_NAMES)}: rebuild it (python -m build_engine)")
         if self.dtype != dtype:
             raise EngineMismatchError(f"engine was built for dtype {self.dtype}, the engine config asks for {dtype}")
+        if self.quantization != quantization:
+            raise EngineMismatchError(f"quantization: engine was built with quantization {self.quantization}, the "
+                                      f"engine config asks for {quantization} (build_engine --quantization)")
         if self.model_config != model_config:
             diff = {f.name: (getattr(self.model_config, f.name), getattr(model_config, f.name))
                     for f in dataclasses.fields(ModelConfig)

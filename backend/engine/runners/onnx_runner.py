@@ -51,11 +51,11 @@ def check_supported(device: str, dtype: str) -> str:
 
 class OnnxRunner:
     def __init__(self, engine_dir: str | Path, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int,
-                 device: str = "cpu"):
+                 device: str = "cpu", quantization: str = "none"):
         self.device = torch.device(device)
         provider = check_supported(device, dtype)
         manifest = EngineManifest.load(engine_dir)
-        manifest.verify(load_model_config(model_dir), dtype)
+        manifest.verify(load_model_config(model_dir), dtype, quantization)
         self.session = ort.InferenceSession(str(Path(engine_dir) / manifest.onnx_file), session_options(),
                                             providers=[provider])
         self.model_config = cfg = manifest.model_config
