@@ -1,11 +1,15 @@
-"""What `speculative: ngram` gives: offline greedy tokens/s with and without it, in one run, on the same prompts.
+"""What `speculative: ngram | draft` gives: offline greedy tokens/s with and without it, in one run, on the same
+prompts.
 
 Two prompt sets: code- and list-like prompts that repeat themselves (what prompt lookup is for), and the
 benchmarks' seeded random prompts (which do not). Batch 1 and 16 (the 16 prompts cycle through the set), 64 new
 tokens, EOS ignored; each configuration once warm, then timed; the output of every speculating run is checked equal
 to the plain run's. Prints tok/s, the ratio to no speculation and the acceptance rate; the CPU named.
+--draft-model adds `speculative: draft` runs (`self`: the model itself, with --draft-quantization int4 a 3x cheaper
+copy whose greedy picks mostly agree).
 
-    python -m load_tests.bench_speculative [--model default|DIR] [--tokens 64] [--k 3,5]
+    python -m load_tests.bench_speculative [--model default|DIR] [--tokens 64] [--k 3,5] [--batches 1,16]
+        [--draft-model self|DIR --draft-quantization none|int8|int4]
 """
 
 from __future__ import annotations
@@ -38,24 +42,36 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--k", default="3,5", help="num_speculative_tokens values")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--draft-model", default=None, help="self (the model) or a folder: also run speculative: draft")
+    p.add_argument("--draft-quantization", default="none")
+    p.add_argument("--no-ngram", action="store_true")
     args = p.parse_args()
     model = resolve_model(None if args.model == "default" else args.model)
+    ks = list(map(int, args.k.split(",")))
+    variants = [] if args.no_ngram else [(f"ngram k={k}", dict(speculative="ngram", num_speculative_tokens=k))
+                                         for k in ks]
+    if args.draft_model:
+        draft = {"speculative": "draft", "draft_model": str(model if args.draft_model == "self" else args.draft_model),
+                 "draft_quantization": args.draft_quantization}
+        variants += [(f"draft k={k}", dict(draft, num_speculative_tokens=k)) for k in ks]
     tokenizer = load_tokenizer(model)
     vocab, special = model_vocab(model)
     sets = {"repeating": [encode(tokenizer, t, False) for t in REPEATING],
             "random": [r.prompt_token_ids for r in make_workload(16, vocab_size=vocab, seed=0, exclude_ids=special)]}
-    print(f"{cpu_summary()} | {model.name} | greedy, {args.tokens} new tokens")
+    print(f"{cpu_summary()} | {model.name} | greedy, {args.tokens} new tokens | draft model: "
+          f"{args.draft_model or 'none'} ({args.draft_quantization})")
     for name, prompts in sets.items():
-        for batch in (1, 16):
+        for batch in map(int, args.batches.split(",")):
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
             base_tps, base_outs = timed(LLMEngine(EngineConfig.create(model=str(model))), batch_prompts, args.tokens)
             line = f"{name:9} batch {batch:2}: none {base_tps:7.1f} tok/s"
-            for k in map(int, args.k.split(",")):
-                engine = LLMEngine(EngineConfig.create(model=str(model), speculative="ngram", num_speculative_tokens=k))
+            for label, settings in variants:
+                engine = LLMEngine(EngineConfig.create(model=str(model), **settings))
                 tps, outs = timed(engine, batch_prompts, args.tokens)
-                assert outs == base_outs, f"ngram k={k} changed the output"
+                assert outs == base_outs, f"{label} changed the output"
                 rate = engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)
-                line += f" | k={k} {tps:7.1f} tok/s ({tps / base_tps:.2f}x, {100 * rate:.0f} % of drafts accepted)"
+                line += f" | {label} {tps:7.1f} tok/s ({tps / base_tps:.2f}x, {100 * rate:.0f} % of drafts accepted)"
             print(line, flush=True)
 
 

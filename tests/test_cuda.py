@@ -62,7 +62,8 @@ def test_preemption_and_prefix_cache_on_the_gpu(random_llama_dir, hf_outputs):
 def test_speculative_ngram_on_the_gpu(random_llama_dir, hf_outputs):
     """Drafted decodes (1 + k rows a sequence, run eagerly beside the graphs) give HF's tokens; rejected drafts'
     blocks come back. The random model's output never repeats, so the drafts come from the prompts' repeats."""
-    eng = engine(random_llama_dir, max_num_seqs=8, speculative="ngram", num_speculative_tokens=3)
+    eng = engine(random_llama_dir, max_num_seqs=8, speculative="ngram", num_speculative_tokens=3,
+                 speculative_max_batch=8)
     prompts = PROMPTS + [[5, 6, 7, 8, 9] * 4]
     outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert outs[:len(PROMPTS)] == hf_outputs and eng.num_draft_tokens > 0

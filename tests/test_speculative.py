@@ -39,8 +39,9 @@ def plain(smollm2_dir, prompts) -> list[list[int]]:
 
 
 def speculating(model_dir, k: int = 3, **settings) -> LLMEngine:
+    """Drafting at every batch size (speculative_max_batch 64: the default drafts only for a sequence alone)."""
     return LLMEngine(EngineConfig.create(model=str(model_dir), speculative="ngram", num_speculative_tokens=k,
-                                         **settings))
+                                         **{"speculative_max_batch": 64, **settings}))
 
 
 def test_propose_and_accept():
@@ -115,7 +116,8 @@ def test_the_prefix_cache_holds_only_accepted_tokens(smollm2_dir, prompts, plain
 def test_served_with_speculation(tmp_path_factory, smollm2_dir, prompts, plain):
     """A real tritonserver with `speculative: ngram`: the same text as the engine without it, and the counters."""
     tokenizer = load_tokenizer(smollm2_dir)
-    settings = {"speculative": "ngram", "num_speculative_tokens": "4", "kv_cache_memory_gb": "0.25"}
+    settings = {"speculative": "ngram", "num_speculative_tokens": "4", "kv_cache_memory_gb": "0.25",
+                "speculative_max_batch": "8"}
     with start_server(tmp_path_factory.mktemp("repo_spec"), smollm2_dir, settings) as srv:
         srv.wait_ready(300)
         with LLMClient(srv.url_grpc, "llm") as client:
@@ -135,7 +137,7 @@ def test_a_stop_string_inside_an_accepted_run(smollm2_dir, prompts):
 
     tokenizer = load_tokenizer(smollm2_dir)
     results = []
-    for settings in ({}, {"speculative": "ngram", "num_speculative_tokens": 5}):
+    for settings in ({}, {"speculative": "ngram", "num_speculative_tokens": 5, "speculative_max_batch": 8}):
         config = EngineConfig.create(model=str(smollm2_dir), **settings)
         loop = EngineLoop(lambda: LLMEngine(config), tokenizer).start()
         got, done = [], []

@@ -15,6 +15,7 @@ AdmissionPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 ADMISSION_POLICIES = ("max_utilization", "guaranteed_no_evict")
 PrefixCacheScope = Literal["tenant", "global"]
 PREFIX_CACHE_SCOPES = ("tenant", "global")
+SPECULATIVE = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,13 @@ class TenantQuota:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
-    speculative: str = "none"  # ngram: greedy rows verify up to num_speculative_tokens drafts a step (speculation.py)
+    # ngram | draft (EngineConfig.draft_model): greedy rows verify up to num_speculative_tokens drafts a step
+    # (speculation.py, draft_model.py)
+    speculative: str = "none"
     num_speculative_tokens: int = 3
+    # no drafts while more sequences than this run: a larger step is compute-bound and pays for every rejected
+    # draft. None: by drafter, as measured (speculation.AUTO_MAX_BATCH; docs/benchmarks.md, speculative decoding)
+    speculative_max_batch: int | None = None
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's, capped by the KV pool
     admission_policy: AdmissionPolicy = "max_utilization"
@@ -42,8 +48,10 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
-        if self.speculative not in ("none", "ngram"):
-            raise ValueError(f"speculative: expected one of ['none', 'ngram'], got {self.speculative!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative: expected one of {list(SPECULATIVE)}, got {self.speculative!r}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch: must be >= 1, got {self.speculative_max_batch}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens: must be in [1, 16], got {self.num_speculative_tokens}")
 
@@ -85,6 +93,8 @@ class EngineConfig:
     # the folder's GGUF as stored)
     quantization: str = "none"
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
+    draft_model: str | None = None  # speculative: draft: a small model folder with the model's tokenizer (or itself)
+    draft_quantization: str = "none"  # the draft model's weights, as `quantization` (the model's own, int4: 3x faster)
     q_tile: int = 16  # attention row width for prefill chunks (see backend/engine/batch.py)
     # served streams: after its first, a sequence's outputs go out N steps at a time (the serving loop applies it,
     # backend/serving/engine_thread.py; a request's own stream_interval input overrides it)
@@ -95,6 +105,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {self.stream_interval}")
+        if (self.scheduler.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model: set it (a model folder with the model's tokenizer) exactly when "
+                             f"speculative is draft (speculative: {self.scheduler.speculative})")
 
     @classmethod
     def create(cls, **settings: Any) -> EngineConfig:

@@ -19,6 +19,7 @@ import torch
 
 from backend.engine.batch import build_model_input
 from backend.engine.config import EngineConfig
+from backend.engine.draft_model import DraftModel
 from backend.engine.errors import InvalidRequestError, UnknownRequestError
 from backend.engine.guided_decoding import GUIDE_FIELD, GrammarCompiler, GrammarState
 from backend.engine.kv_cache import KVCacheManager, bytes_per_block
@@ -96,7 +97,8 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings, num_blocks * cache.block_size)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.enable_kv_events)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, model_cfg.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, model_cfg.eos_token_ids,
+                                   self._draft_model(num_blocks) if config.draft_model else None)
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # finals of aborted requests, sent by the next step
         self._arrivals = 0
@@ -107,6 +109,15 @@ class LLMEngine:
         self._samples: dict[str, set[str]] = {}  # request id -> its unfinished samples' ids (requests with n > 1)
         self.num_draft_tokens = 0  # speculative tokens verified, and accepted (speculation.py)
         self.num_accepted_tokens = 0
+
+    def _draft_model(self, num_blocks: int) -> DraftModel:
+        """`speculative: draft`: the draft model on the torch runtime, with a pool of as many blocks as the model's."""
+        from backend.engine.runners.torch_runner import TorchRunner
+
+        c = self.config
+        runner = TorchRunner(c.draft_model, c.dtype, num_blocks, c.cache.block_size, c.device, c.attention,
+                             "auto", c.draft_quantization)
+        return DraftModel(c.draft_model, self.model_config.vocab_size, runner, c.cache.block_size, c.q_tile)
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from backend.engine.errors import QueueFullError
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.sampling import Sampled
 from backend.engine.sequence import FinishReason, Sequence, Status
-from backend.engine.speculation import eligible, propose_ngram
+from backend.engine.speculation import AUTO_MAX_BATCH, Drafter, NgramDrafter, eligible
 
 
 @dataclass
@@ -55,8 +55,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), drafter: Drafter | None = None):
         self.config = config
+        self.drafter = drafter or NgramDrafter()
         self.kv = kv
         self.max_model_len = max_model_len  # the config's, resolved against the model and the pool
         self.eos_token_ids = eos_token_ids
@@ -84,6 +85,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self.drafter.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -204,19 +206,29 @@ class Scheduler:
         self.running.append(seq)
         return n
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Speculative tokens for a decode of an eligible sequence (speculation.py): at most num_speculative_tokens,
-        within the step's budget, max_tokens and the context length."""
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """How many speculative tokens a decode of an eligible sequence may verify (speculation.py): at most
+        num_speculative_tokens, within the step's budget, max_tokens and the context length."""
         if self.config.speculative == "none" or seq.num_uncomputed != 1 or not eligible(seq):
-            return []
-        room = min(self.config.num_speculative_tokens, budget - 1,
-                   seq.params.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
-        return propose_ngram(seq.token_ids, room)
+            return 0
+        return max(0, min(self.config.num_speculative_tokens, budget - 1,
+                          seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def _drafts(self, fresh: set[int], budget: int) -> dict[int, list[int]]:
+        """id(sequence) -> its drafts this step, for the running decodes that may speculate (one batched call);
+        none while more than speculative_max_batch sequences run."""
+        if len(self.running) > (self.config.speculative_max_batch or AUTO_MAX_BATCH.get(self.config.speculative, 0)):
+            return {}
+        rooms = [(seq, room) for seq in self.running if id(seq) not in fresh
+                 and (room := self._draft_room(seq, budget)) > 0]
+        return {id(seq): drafts for (seq, _), drafts in zip(rooms, self.drafter.propose(rooms) if rooms else [])}
 
     def _preempt(self, seq: Sequence) -> None:
         seq.draft_token_ids = []
         self.running.remove(seq)
         self.kv.free(seq)
+        self.drafter.release(seq)
         seq.num_computed_tokens = 0
         self.num_preemptions += 1
         self._enqueue(seq)
@@ -237,13 +249,14 @@ class Scheduler:
         num_share_victims = len(preempted)
         tenant_load = Counter(s.tenant for s in self.running)  # light tenants first, so victims come from heavy ones
         self.running.sort(key=lambda s: (s.priority, tenant_load[s.tenant], s.arrival_index))
+        drafts = self._drafts(fresh, budget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if id(seq) in fresh:
                 i += 1
                 continue
-            seq.draft_token_ids = self._drafts(seq, budget)
+            seq.draft_token_ids = drafts.get(id(seq), [])[:max(0, budget - 1)]
             n = min(seq.num_uncomputed, budget) + len(seq.draft_token_ids)
             quota_ok = self._within_block_quota(seq, n)
             if quota_ok and self.kv.allocate(seq, n):

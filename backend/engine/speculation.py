@@ -1,9 +1,10 @@
-"""Speculative decoding with n-gram drafts (prompt lookup, vLLM's `ngram`), verified in the one ragged forward.
+"""Speculative decoding, verified in the one ragged forward: n-gram drafts (prompt lookup, vLLM's `ngram`) or a
+draft model's (draft_model.py).
 
-A running sequence whose next step is a decode gets up to k draft tokens: the tokens that followed the most recent
-earlier occurrence of its last n tokens (n from 3 down to 1) in its prompt and output. It is scheduled as 1 + k query
-tokens (its last token and the drafts); the forward returns the logits of all 1 + k positions; the drafts are
-accepted while each equals the argmax at the position before it, and the argmax after the last accepted one is the
+A running sequence whose next step is a decode gets up to k draft tokens (none while more than speculative_max_batch
+sequences run): with `ngram`, the tokens that followed the most recent earlier occurrence of its last n tokens (n from
+3 down to 1) in its prompt and output. It is scheduled as 1 + k query tokens (its last token and the drafts); the
+forward returns the logits of all 1 + k positions; the drafts are accepted while each equals the argmax at the position before it, and the argmax after the last accepted one is the
 step's own token. So a step yields 1 to k + 1 tokens, each the one greedy decoding would pick at its position: the
 output equals the output without speculation (the verify rows' logits are those of a prefill chunk, which can round
 differently from a one-token decode only at a near-tie).
@@ -16,12 +17,18 @@ enters the prefix cache (block hashes come from the sequence's tokens, never fro
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
 from backend.engine.sequence import Sequence
 
 NGRAM_MAX, NGRAM_MIN = 3, 1
+# speculative_max_batch's default: the most running sequences at which drafting still paid, SmolLM2 on 2 CPUs
+# (AMD EPYC Zen 5, 2026-11-25, bench_speculative): n-gram drafts lost 5-7 % at batch 4, the model's int4 copy as the
+# draft model gained 3-33 % there; both lost at 16.
+AUTO_MAX_BATCH = {"ngram": 1, "draft": 4}
 
 
 def eligible(seq: Sequence) -> bool:
@@ -43,6 +50,24 @@ def propose_ngram(token_ids: list[int], k: int) -> list[int]:
             start = starts[-1] + n
             return tokens[start:start + k].tolist()
     return []
+
+
+class Drafter(Protocol):
+    def propose(self, rooms: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Up to `room` draft tokens to follow each sequence's tokens, in order."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was preempted: drop what is kept for it."""
+
+
+class NgramDrafter:
+    """`speculative: ngram` (and `none`, which asks for no drafts): prompt lookup, no state."""
+
+    def propose(self, rooms: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [propose_ngram(seq.token_ids, room) for seq, room in rooms]
+
+    def release(self, seq: Sequence) -> None:
+        pass
 
 
 def accepted_tokens(logits: torch.Tensor, drafts_per_seq: list[list[int]]) -> list[list[int]]:
