@@ -1,5 +1,6 @@
 """Speculative decoding with n-gram drafts (backend/engine/speculation.py): greedy output token for token equal to
-the output without speculation and to HF, for k in {1, 3, 5}, with drafts accepted; a stop id or max_tokens inside
+the output without speculation and to HF, for k in {1, 3, 5}, with drafts accepted; seeded sampled output the same
+with speculation (n-gram and a draft model) as without; a stop id or max_tokens inside
 an accepted run ends it where it would end without; rows that do not speculate are unchanged beside those that do;
 the prefix cache holds only accepted tokens; every block free after; the counters through a real server.
 
@@ -48,12 +49,8 @@ def test_propose_and_accept():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # the last 3 tokens seen before, and what followed
     assert propose_ngram([1, 2, 3, 9, 5, 1, 2, 3, 7, 3], 2) == [7, 3]  # the most recent earlier "3"
     assert propose_ngram([4, 5, 6], 3) == [] and propose_ngram([4], 3) == []
-    import torch
-
-    logits = torch.full((7, 10), -1.0)
-    for row, best in enumerate([7, 8, 2, 4, 5, 5, 6]):  # seq 0: drafts 7, 8, 9 -> 7, 8 accepted, then 2
-        logits[row, best] = 1.0
-    assert accepted_tokens(logits, [[7, 8, 9], [5, 5]]) == [[7, 8, 2], [5, 5, 6]]
+    # the sampler's picks at each verified position; seq 0: drafts 7, 8, 9 -> 7, 8 accepted, then 2
+    assert accepted_tokens([7, 8, 2, 4, 5, 5, 6], [[7, 8, 9], [5, 5]]) == [[7, 8, 2], [5, 5, 6]]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -62,6 +59,11 @@ def test_greedy_equals_without_speculation(smollm2_dir, prompts, plain, k):
     assert eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) == plain
     assert eng.num_accepted_tokens > 0 and eng.num_draft_tokens >= eng.num_accepted_tokens
     assert eng.kv.num_used_blocks == 0
+    stats = eng.stats()  # by position: a draft is accepted only after the drafts before it
+    assert sum(stats.drafted_by_position) == stats.num_draft_tokens and len(stats.drafted_by_position) == k
+    assert sum(stats.accepted_by_position) == stats.num_accepted_tokens
+    assert list(stats.accepted_by_position) == sorted(stats.accepted_by_position, reverse=True)
+    assert all(a <= d for a, d in zip(stats.accepted_by_position, stats.drafted_by_position))
 
 
 def test_greedy_equals_hf(smollm2_dir, prompts):
@@ -87,6 +89,22 @@ def test_a_stop_id_or_max_tokens_inside_an_accepted_run(smollm2_dir, prompts, pl
                 reasons[out.request_id] = out.finish_reason
     assert [got["stop"], got["short"]] == expected and reasons == {"stop": "stop", "short": "length"}
     assert len(got["short"]) == 7 and got["stop"][-1] == comma
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_seeded_sampled_output_is_the_same_with_speculation(smollm2_dir, prompts, drafter):
+    """Each verified position is drawn with the noise of (seed, position), as without speculation: a seeded output is
+    token for token the same, so its distribution is the model's (the rejection sampler for certain drafts)."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=t, top_p=top_p, seed=seed)
+              for seed, (t, top_p) in enumerate([(0.3, 1.0), (0.7, 0.9), (1.0, 1.0)] * 2)]
+    batch = prompts * 2
+    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate(batch, params)
+    settings = {"draft_model": str(smollm2_dir), "draft_quantization": "int4"} if drafter == "draft" else {}
+    eng = LLMEngine(EngineConfig.create(model=str(smollm2_dir), speculative=drafter, num_speculative_tokens=4,
+                                        speculative_max_batch=64, **settings))
+    assert eng.generate(batch, params) == expected
+    assert eng.num_accepted_tokens > 0 and eng.kv.num_used_blocks == 0
+    assert len({tuple(o) for o in expected}) == len(expected)  # the seeds drew different outputs
 
 
 def test_rows_that_do_not_speculate_are_unchanged_beside_those_that_do(smollm2_dir, prompts, plain):
@@ -127,6 +145,9 @@ def test_served_with_speculation(tmp_path_factory, smollm2_dir, prompts, plain):
     counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                 if line.startswith("llm_spec_")}
     assert counters["llm_spec_draft_tokens_total"] >= counters["llm_spec_accepted_tokens_total"] > 0
+    first = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+             if line.startswith("llm_spec_") and 'position="1"' in line}
+    assert first["llm_spec_drafted_tokens_by_position_total"] >= first["llm_spec_accepted_tokens_by_position_total"] > 0
 
 
 def test_a_stop_string_inside_an_accepted_run(smollm2_dir, prompts):

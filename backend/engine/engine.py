@@ -77,6 +77,8 @@ class EngineStats:
     last_step_tokens: int
     num_draft_tokens: int = 0  # speculative tokens verified so far, and accepted
     num_accepted_tokens: int = 0
+    drafted_by_position: tuple[int, ...] = ()  # [j]: drafts at position j + 1 of their step verified, and accepted
+    accepted_by_position: tuple[int, ...] = ()
 
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -109,6 +111,8 @@ class LLMEngine:
         self._samples: dict[str, set[str]] = {}  # request id -> its unfinished samples' ids (requests with n > 1)
         self.num_draft_tokens = 0  # speculative tokens verified, and accepted (speculation.py)
         self.num_accepted_tokens = 0
+        self.drafted_by_position = [0] * config.scheduler.num_speculative_tokens  # [j]: the step's (j + 1)-th draft
+        self.accepted_by_position = [0] * config.scheduler.num_speculative_tokens
 
     def _draft_model(self, num_blocks: int) -> DraftModel:
         """`speculative: draft`: the draft model on the torch runtime, with a pool of as many blocks as the model's."""
@@ -329,13 +333,19 @@ class LLMEngine:
         picks = sample(logits[last_rows[np.asarray(plain, dtype=np.int64)]], rows) if rows else []
         dead = [sched.scheduled[i][0] for i, pick in zip(plain, picks) if pick.token == NO_TOKEN]
         tokens = {i: [pick] for i, pick in zip(plain, picks) if pick.token != NO_TOKEN}
-        if drafted:
+        if drafted:  # every verified position sampled as it would be without speculation (speculation.py)
             verify_rows = np.concatenate([np.arange(batch.logits_start[i], batch.logits_start[i + 1]) for i in drafted])
             drafts = [sched.scheduled[i][0].draft_token_ids for i in drafted]
-            for i, draft, accepted in zip(drafted, drafts, accepted_tokens(logits[verify_rows], drafts)):
+            row_of = [self._sampler_row(sched.scheduled[i][0]) for i in drafted]
+            positions = [dataclasses.replace(row, ahead=j) for row, d in zip(row_of, drafts) for j in range(len(d) + 1)]
+            verified = [pick.token for pick in sample(logits[verify_rows], positions)]
+            for i, draft, accepted in zip(drafted, drafts, accepted_tokens(verified, drafts)):
                 tokens[i] = [Sampled(t) for t in accepted]
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(accepted) - 1
+                for j in range(len(draft)):
+                    self.drafted_by_position[j] += 1
+                    self.accepted_by_position[j] += j < len(accepted) - 1
         outputs = []
         for seq, picked in self.scheduler.update_from_output(sched, tokens):
             last = False
@@ -402,4 +412,6 @@ class LLMEngine:
             last_step_tokens=self._last_step_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            drafted_by_position=tuple(self.drafted_by_position),
+            accepted_by_position=tuple(self.accepted_by_position),
         )

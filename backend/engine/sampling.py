@@ -1,7 +1,9 @@
 """Sampling parameters and the batched sampler.
 
-Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own
-`torch.Generator`, so a request with a seed yields the same tokens whatever else is in the batch.
+Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own `torch.Generator`, seeded
+from (the sequence's seed, the token's position): a request with a seed yields the same tokens whatever else is in
+the batch, and whether or not speculation drafted them (speculation.py samples each verified position with the noise
+it would have drawn without).
 Logprobs (and a prompt's, `token_logprobs`) are those of the model's raw distribution (log_softmax of the logits before
 a guide's mask, penalties and temperature), as vLLM and TensorRT-LLM report them by default; a row with
 `top_logprobs` N also gets that distribution's N likeliest (token id, logprob) pairs, likeliest first.
@@ -107,10 +109,11 @@ class SamplingState:
             return cls()
         return cls(seed=params.seed if params.seed is not None else torch.Generator().seed())
 
-    def generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device, position: int) -> torch.Generator:
+        """The generator for the token at `position` of the sequence, seeded from (seed, position)."""
         if self._generator is None:
-            self._generator = torch.Generator(device).manual_seed(self.seed)
-        return self._generator
+            self._generator = torch.Generator(device)
+        return self._generator.manual_seed(hash((self.seed, position)) & (2**63 - 1))
 
 
 @dataclass
@@ -132,6 +135,12 @@ class SamplerRow:
     prompt_ids: list[int]
     output_ids: list[int]
     banned_ids: list[int] = field(default_factory=list)  # eos/stop ids under min_tokens, bad-word tails
+    ahead: int = 0  # a verified position's drafted tokens before it (speculation.py)
+
+    @property
+    def position(self) -> int:
+        """The position of the token this row picks."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.ahead
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
@@ -225,10 +234,10 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         probs = torch.softmax(_filter(processed[drawn], [rows[i].params for i in drawn]), dim=-1)
-        # Exponential race == multinomial draw: one generator call per row and step, from the row's own generator
+        # Exponential race == multinomial draw: one generator call per row, seeded by the row's sequence and position
         noise = torch.empty_like(probs)
         for j, i in enumerate(drawn):
-            noise[j].exponential_(generator=rows[i].state.generator(probs.device))
+            noise[j].exponential_(generator=rows[i].state.generator(probs.device, rows[i].position))
         picks[drawn] = (probs / noise).argmax(dim=-1)
     columns = [picks]
     if guided:  # a row whose every token is masked or banned picks one at -inf: it has none

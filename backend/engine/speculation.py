@@ -4,15 +4,20 @@ draft model's (draft_model.py).
 A running sequence whose next step is a decode gets up to k draft tokens (none while more than speculative_max_batch
 sequences run): with `ngram`, the tokens that followed the most recent earlier occurrence of its last n tokens (n from
 3 down to 1) in its prompt and output. It is scheduled as 1 + k query tokens (its last token and the drafts); the
-forward returns the logits of all 1 + k positions; the drafts are accepted while each equals the argmax at the position before it, and the argmax after the last accepted one is the
-step's own token. So a step yields 1 to k + 1 tokens, each the one greedy decoding would pick at its position: the
-output equals the output without speculation (the verify rows' logits are those of a prefill chunk, which can round
-differently from a one-token decode only at a near-tie).
+forward returns the logits of all 1 + k positions; the drafts are accepted while each equals the sampler's pick at
+its position, and the pick after the last accepted one is the step's own token. So a step yields 1 to k + 1 tokens, each the one decoding without speculation picks at its position:
+the output equals the output without speculation (the verify rows' logits are those of a prefill chunk, which can
+round differently from a one-token decode only at a near-tie).
 
-Only plain greedy rows speculate (no penalties, bad words, min_tokens ban, guide or logprobs): every other row is
-sampled one token a step as before. The rejected drafts' KV slots are given back (scheduler.update_from_output): the
-computed tokens stop at the accepted ones, blocks past the sequence's tokens are released, and nothing past them
-enters the prefix cache (block hashes come from the sequence's tokens, never from drafts).
+A sampled row draws each position with the noise of (its seed, that position) (sampling.py), the noise it draws there
+without speculation: a seeded output is the same with speculation on or off, and so its distribution is the target's.
+This is rejection sampling for drafts that are certain (an n-gram's, or a greedy draft model's: q is one-hot): the
+draft d is kept with probability p(d), and otherwise the token comes from p without d, renormalized.
+
+Rows with penalties, bad words, a min_tokens ban, a guide or logprobs do not speculate: they are sampled one token a
+step as before. The rejected drafts' KV slots are given back (scheduler.update_from_output): the computed tokens stop
+at the accepted ones, blocks past the sequence's tokens are released, and nothing past them enters the prefix cache
+(block hashes come from the sequence's tokens, never from drafts).
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ AUTO_MAX_BATCH = {"ngram": 1, "draft": 4}
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether the sampler would pick this sequence's next token by a plain argmax of the logits."""
+    """Whether the sampler picks this sequence's next tokens from the logits alone (greedy, or drawn after
+    temperature, top-k/p and min_p): nothing in the pick depends on the tokens before it, nor is reported beside it."""
     p = seq.params
-    return (p.greedy and not p.penalized and not p.bad_words_ids and p.guided is None and not p.logprobs
+    return (not p.penalized and not p.bad_words_ids and p.guided is None and not p.logprobs
             and not p.top_logprobs and len(seq.output_token_ids) >= p.min_tokens and not seq.wants_prompt_logprobs)
 
 
@@ -70,10 +76,9 @@ class NgramDrafter:
         pass
 
 
-def accepted_tokens(logits: torch.Tensor, drafts_per_seq: list[list[int]]) -> list[list[int]]:
-    """Each drafted sequence's tokens this step: its accepted drafts, then the argmax after them. `logits` holds
-    1 + len(drafts) rows per sequence, in order (one argmax, one copy to the host for them all)."""
-    picks = logits.argmax(dim=-1).tolist()
+def accepted_tokens(picks: list[int], drafts_per_seq: list[list[int]]) -> list[list[int]]:
+    """Each drafted sequence's tokens this step: its drafts while each equals the sampler's pick at its position,
+    then the pick after the last accepted one. `picks` holds 1 + len(drafts) picks per sequence, in order."""
     out, row = [], 0
     for drafts in drafts_per_seq:
         best = picks[row:row + len(drafts) + 1]

@@ -40,9 +40,12 @@ class TritonMetrics(LoopObserver):
         self.hit_rate = metric("llm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
                                "over prompt tokens admitted", fam.GAUGE)
         self.preemptions = metric("llm_preemptions_total", "Sequences preempted (recompute)", fam.COUNTER)
-        self.draft_tokens = metric("llm_spec_draft_tokens_total", "Speculative tokens verified (speculative: ngram)",
+        self.draft_tokens = metric("llm_spec_draft_tokens_total", "Speculative tokens verified (ngram or draft)",
                                    fam.COUNTER)
         self.accepted_tokens = metric("llm_spec_accepted_tokens_total", "Speculative tokens accepted", fam.COUNTER)
+        # per position of a draft in its step (1 = the first), made when a position is first drafted
+        self._new_metric, self._counter = metric, fam.COUNTER
+        self._position_counters: dict[tuple[str, int], object] = {}
         refused_doc = "Requests not admitted: overloaded (the waiting queue was full) or invalid"
         self.refused = {reason: metric("llm_requests_refused_total", refused_doc, fam.COUNTER, {"reason": reason})
                         for reason in ("overloaded", "invalid")}
@@ -78,9 +81,25 @@ class TritonMetrics(LoopObserver):
         for key, counter, total in (("preemptions", self.preemptions, s.num_preemptions),
                                     ("drafts", self.draft_tokens, s.num_draft_tokens),
                                     ("accepted", self.accepted_tokens, s.num_accepted_tokens)):
-            if total > self._seen.get(key, 0):
-                counter.increment(total - self._seen.get(key, 0))
-                self._seen[key] = total
+            self._add(key, counter, total)
+        for kind, totals in (("drafted", s.drafted_by_position), ("accepted", s.accepted_by_position)):
+            for j, total in enumerate(totals):
+                if total:
+                    self._add(f"{kind}@{j + 1}", self._position_counter(kind, j + 1), total)
+
+    def _position_counter(self, kind: str, position: int):
+        if (kind, position) not in self._position_counters:
+            self._position_counters[kind, position] = self._new_metric(
+                f"llm_spec_{kind}_tokens_by_position_total", f"Speculative tokens {kind}, by their position among "
+                "their step's drafts (accepted over drafted: the acceptance rate per position)", self._counter,
+                {"position": str(position)})
+        return self._position_counters[kind, position]
+
+    def _add(self, key: str, counter, total: int) -> None:
+        """Bring a counter up to the engine's running total."""
+        if total > self._seen.get(key, 0):
+            counter.increment(total - self._seen.get(key, 0))
+            self._seen[key] = total
 
     def on_heartbeat(self, last_round: float) -> None:
         self.heartbeat.set(last_round)
