@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram drafts (backend/engine/speculation.py): greedy output token for token equal to
 the output without speculation and to HF, for k in {1, 3, 5}, with drafts accepted; seeded sampled output the same
 with speculation (n-gram and a draft model) as without; a stop id or max_tokens inside
-an accepted run ends it where it would end without; rows that do not speculate are unchanged beside those that do;
+an accepted run ends it where it would end without; penalties, bad words, min_tokens and logprobs per verified position;
 the prefix cache holds only accepted tokens; every block free after; the counters through a real server.
 
 SmolLM2 (real weights): a random tiny model's greedy output never repeats, so no draft would ever be accepted."""
@@ -107,15 +107,39 @@ def test_seeded_sampled_output_is_the_same_with_speculation(smollm2_dir, prompts
     assert len({tuple(o) for o in expected}) == len(expected)  # the seeds drew different outputs
 
 
-def test_rows_that_do_not_speculate_are_unchanged_beside_those_that_do(smollm2_dir, prompts, plain):
-    penalized = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3)
-    with_logprobs = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True)
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    params = [penalized, with_logprobs, greedy]
-    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate(prompts, params)
+def drain(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
+    """Each request's tokens, logprobs and top logprobs, as the step outputs carry them."""
+    got = {str(i): ([], [], []) for i in range(len(prompts))}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    while engine.has_unfinished():
+        for out in engine.step():
+            for kept, new in zip(got[out.request_id], (out.new_token_ids, out.new_logprobs, out.new_top_logprobs)):
+                kept.extend(new)
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def test_penalties_bad_words_min_tokens_and_logprobs_apply_per_verified_position(smollm2_dir, prompts, plain):
+    """Rows with penalties, bad words, a min_tokens ban or logprobs speculate too: each verified position is picked
+    as without speculation (the drafts before it count as output), with the same logprobs (to float rounding: the
+    verify rows' logits come from a chunk)."""
+    ban = plain[2][3]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3, logprobs=True),
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=3),
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, bad_words_ids=((ban,),)),
+              SamplingParams(max_tokens=MAX_TOKENS, min_tokens=20, stop_token_ids=(plain[2][1],),
+                             temperature=0.8, seed=5, presence_penalty=0.5),
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)]
+    batch = [prompts[0], prompts[1], prompts[2], prompts[2], prompts[2]]
+    expected = drain(LLMEngine(EngineConfig.create(model=str(smollm2_dir))), batch, params)
     eng = speculating(smollm2_dir, 3)
-    assert eng.generate(prompts, params) == expected
-    assert expected[1] == plain[1] and eng.num_accepted_tokens > 0
+    got = drain(eng, batch, params)
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    for (_, logprobs, tops), (_, want, want_tops) in zip(got, expected):
+        assert logprobs == pytest.approx(want, abs=1e-4)
+        assert [[t for t, _ in row] for row in tops] == [[t for t, _ in row] for row in want_tops]
+    assert ban not in got[2][0] and len(got[3][0]) >= 20 and expected[4][0] == plain[2]
+    assert eng.num_accepted_tokens > 0 and eng.kv.num_used_blocks == 0
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(smollm2_dir, prompts, plain):

@@ -336,11 +336,13 @@ class LLMEngine:
         if drafted:  # every verified position sampled as it would be without speculation (speculation.py)
             verify_rows = np.concatenate([np.arange(batch.logits_start[i], batch.logits_start[i + 1]) for i in drafted])
             drafts = [sched.scheduled[i][0].draft_token_ids for i in drafted]
-            row_of = [self._sampler_row(sched.scheduled[i][0]) for i in drafted]
-            positions = [dataclasses.replace(row, ahead=j) for row, d in zip(row_of, drafts) for j in range(len(d) + 1)]
-            verified = [pick.token for pick in sample(logits[verify_rows], positions)]
-            for i, draft, accepted in zip(drafted, drafts, accepted_tokens(verified, drafts)):
-                tokens[i] = [Sampled(t) for t in accepted]
+            positions = [self._sampler_row(sched.scheduled[i][0], d[:j]) for i, d in zip(drafted, drafts)
+                         for j in range(len(d) + 1)]
+            verified = sample(logits[verify_rows], positions)
+            start = np.cumsum([0] + [len(d) + 1 for d in drafts])
+            for i, row, draft, accepted in zip(drafted, start, drafts,
+                                               accepted_tokens([v.token for v in verified], drafts)):
+                tokens[i] = verified[row:row + len(accepted)]  # the accepted drafts are the picks at their positions
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(accepted) - 1
                 for j in range(len(draft)):
@@ -368,19 +370,21 @@ class LLMEngine:
             seq.prompt_logprobs += token_logprobs(logits[targets.start - 1 - computed:targets.stop - 1 - computed],
                                                   prompt[targets.start:targets.stop], seq.params.prompt_logprobs)
 
-    def _sampler_row(self, seq: Sequence) -> SamplerRow:
-        """The sampler's view of a sequence that yields a token this step, with the ids it may not pick:
-        eos/stop ids before min_tokens, and the last token of a bad word whose prefix was just generated."""
+    def _sampler_row(self, seq: Sequence, drafted: list[int] = ()) -> SamplerRow:
+        """The sampler's view of a sequence that yields a token this step (after `drafted`, when it verifies drafts),
+        with the ids it may not pick: eos/stop ids before min_tokens, and the last token of a bad word whose prefix
+        was just generated."""
         p = seq.params
+        output = seq.output_token_ids + list(drafted) if drafted else seq.output_token_ids
         banned = []
-        if len(seq.output_token_ids) < p.min_tokens:
+        if len(output) < p.min_tokens:
             banned += self._stop_ids(p)
-        tokens = seq.token_ids
+        tokens = seq.prompt_token_ids + output if p.bad_words_ids else []
         for word in p.bad_words_ids:
             prefix = list(word[:-1])
             if not prefix or tokens[len(tokens) - len(prefix):] == prefix:
                 banned.append(word[-1])
-        return SamplerRow(p, seq.sampling_state, seq.prompt_token_ids, seq.output_token_ids, banned)
+        return SamplerRow(p, seq.sampling_state, seq.prompt_token_ids, output, banned)
 
     # -- conveniences -----------------------------------------------------------------------------
 

@@ -135,12 +135,11 @@ class SamplerRow:
     prompt_ids: list[int]
     output_ids: list[int]
     banned_ids: list[int] = field(default_factory=list)  # eos/stop ids under min_tokens, bad-word tails
-    ahead: int = 0  # a verified position's drafted tokens before it (speculation.py)
 
     @property
     def position(self) -> int:
-        """The position of the token this row picks."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.ahead
+        """The position of the token this row picks (output_ids: a verified position's include the drafts before it)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:

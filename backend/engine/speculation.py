@@ -5,19 +5,21 @@ A running sequence whose next step is a decode gets up to k draft tokens (none w
 sequences run): with `ngram`, the tokens that followed the most recent earlier occurrence of its last n tokens (n from
 3 down to 1) in its prompt and output. It is scheduled as 1 + k query tokens (its last token and the drafts); the
 forward returns the logits of all 1 + k positions; the drafts are accepted while each equals the sampler's pick at
-its position, and the pick after the last accepted one is the step's own token. So a step yields 1 to k + 1 tokens, each the one decoding without speculation picks at its position:
-the output equals the output without speculation (the verify rows' logits are those of a prefill chunk, which can
-round differently from a one-token decode only at a near-tie).
+its position, and the pick after the last accepted one is the step's own token. So a step yields 1 to k + 1 tokens,
+each the one decoding without speculation picks at its position: the output equals the output without speculation
+(the verify rows' logits are those of a prefill chunk, which can round differently from a one-token decode only at
+a near-tie).
 
 A sampled row draws each position with the noise of (its seed, that position) (sampling.py), the noise it draws there
 without speculation: a seeded output is the same with speculation on or off, and so its distribution is the target's.
 This is rejection sampling for drafts that are certain (an n-gram's, or a greedy draft model's: q is one-hot): the
 draft d is kept with probability p(d), and otherwise the token comes from p without d, renormalized.
 
-Rows with penalties, bad words, a min_tokens ban, a guide or logprobs do not speculate: they are sampled one token a
-step as before. The rejected drafts' KV slots are given back (scheduler.update_from_output): the computed tokens stop
-at the accepted ones, blocks past the sequence's tokens are released, and nothing past them enters the prefix cache
-(block hashes come from the sequence's tokens, never from drafts).
+Penalties, bad words, the min_tokens ban and logprobs apply per verified position as they would without speculation
+(engine._sampler_row sees the drafts before the position as output). Guided rows do not speculate: they are sampled
+one token a step as before. The rejected drafts' KV slots are given back (scheduler.update_from_output): the computed
+tokens stop at the accepted ones, blocks past the sequence's tokens are released, and nothing past them enters the
+prefix cache (block hashes come from the sequence's tokens, never from drafts).
 """
 
 from __future__ import annotations
@@ -37,11 +39,9 @@ AUTO_MAX_BATCH = {"ngram": 1, "draft": 4}
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether the sampler picks this sequence's next tokens from the logits alone (greedy, or drawn after
-    temperature, top-k/p and min_p): nothing in the pick depends on the tokens before it, nor is reported beside it."""
-    p = seq.params
-    return (not p.penalized and not p.bad_words_ids and p.guided is None and not p.logprobs
-            and not p.top_logprobs and len(seq.output_token_ids) >= p.min_tokens and not seq.wants_prompt_logprobs)
+    """Whether this sequence's next tokens may be verified several at a step: everything of a pick but a guide's mask
+    (whose matcher would have to take back rejected drafts) is computed per position from the tokens before it."""
+    return seq.params.guided is None and not seq.wants_prompt_logprobs
 
 
 def propose_ngram(token_ids: list[int], k: int) -> list[int]:
