@@ -1,8 +1,9 @@
 """What `speculative: ngram | draft` gives: offline greedy tokens/s with and without it, in one run, on the same
 prompts.
 
-Two prompt sets: code- and list-like prompts that repeat themselves (what prompt lookup is for), and the
-benchmarks' seeded random prompts (which do not). Batch 1 and 16 (the 16 prompts cycle through the set), 64 new
+Three prompt sets: chat turns whose answers copy their prompt (code editing, rewriting a paragraph), code- and
+list-like prompts that repeat themselves (what prompt lookup is for), and the benchmarks' seeded random prompts
+(which do not). Batch 1 and 16 (the 16 prompts cycle through the set), 64 new
 tokens, EOS ignored; each configuration once warm, then timed; the output of every speculating run is checked equal
 to the plain run's. Prints tok/s, the ratio to no speculation and the acceptance rate; the CPU named.
 --draft-model adds `speculative: draft` runs (`self`: the model itself, with --draft-quantization int4 a 3x cheaper
@@ -27,6 +28,17 @@ REPEATING = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a -
              "List the numbers from 1 to 40: 1, 2, 3, 4,",
              "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>cherry</li>\n",
              "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\n"]
+
+CODE = ("def total(items):\n    x = 0\n    for item in items:\n        x += item.price * item.quantity\n"
+        "    return x\n\n\ndef average(items):\n    if not items:\n        return 0\n"
+        "    return total(items) / len(items)\n")
+TEXT = ("The printing press was invented by Johannes Gutenberg around 1440. It made books cheaper and faster to "
+        "produce, and within fifty years presses were working in more than two hundred cities across Europe.")
+# answers that copy their prompt (chat turns): code editing and rewriting, prompt lookup's case in vLLM's docs
+EDITING = [f"Rename the variable x to subtotal in this code and give the whole code back:\n{CODE}",
+           f"Fix the spelling and give the whole paragraph back:\n{TEXT.replace('invented', 'invnted')}",
+           f"Add a docstring to each function and give the whole code back:\n{CODE}",
+           f"Repeat this paragraph word for word, then say how many cities it names:\n{TEXT}"]
 
 
 def timed(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
@@ -57,7 +69,8 @@ def main() -> None:
         variants += [(f"draft k={k}", dict(draft, num_speculative_tokens=k)) for k in ks]
     tokenizer = load_tokenizer(model)
     vocab, special = model_vocab(model)
-    sets = {"repeating": [encode(tokenizer, t, False) for t in REPEATING],
+    sets = {"editing": [encode(tokenizer, t, True) for t in EDITING],
+            "repeating": [encode(tokenizer, t, False) for t in REPEATING],
             "random": [r.prompt_token_ids for r in make_workload(16, vocab_size=vocab, seed=0, exclude_ids=special)]}
     print(f"{cpu_summary()} | {model.name} | greedy, {args.tokens} new tokens | draft model: "
           f"{args.draft_model or 'none'} ({args.draft_quantization})")

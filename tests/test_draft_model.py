@@ -72,6 +72,17 @@ def test_another_draft_model_changes_no_output(tiny_model_dir, other_draft_dir, 
     check_pools_free(engine)
 
 
+def test_verify_rows_run_through_the_exported_graph(tiny_model_dir, tiny_engine_dir):
+    """runtime onnxruntime: a drafted sequence's 1 + k logits rows come out of the ONNX graph (its logits axis is
+    dynamic), with the same output and every draft of the model's own copy accepted."""
+    engine = drafting(tiny_model_dir, tiny_model_dir, 3, runtime="onnxruntime", engine_dir=str(tiny_engine_dir),
+                      **SCENARIOS["chunked_prefill"])
+    reqs = workload(engine.model_config.vocab_size)
+    assert run(engine, reqs, use_priority=False) == reference(tiny_model_dir)
+    assert engine.num_draft_tokens > 100 and engine.num_accepted_tokens >= 0.98 * engine.num_draft_tokens
+    check_pools_free(engine)
+
+
 def test_aborts_free_the_draft_pool(tiny_model_dir):
     engine = drafting(tiny_model_dir, tiny_model_dir, 3)
     reqs = workload(engine.model_config.vocab_size)[:6]

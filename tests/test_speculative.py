@@ -1,7 +1,8 @@
 """Speculative decoding with n-gram drafts (backend/engine/speculation.py): greedy output token for token equal to
 the output without speculation and to HF, for k in {1, 3, 5}, with drafts accepted; seeded sampled output the same
 with speculation (n-gram and a draft model) as without; a stop id or max_tokens inside
-an accepted run ends it where it would end without; penalties, bad words, min_tokens and logprobs per verified position;
+an accepted run ends it where it would end without; penalties, bad words, min_tokens, logprobs and a guide's mask per
+verified position;
 the prefix cache holds only accepted tokens; every block free after; the counters through a real server.
 
 SmolLM2 (real weights): a random tiny model's greedy output never repeats, so no draft would ever be accepted."""
@@ -140,6 +141,30 @@ def test_penalties_bad_words_min_tokens_and_logprobs_apply_per_verified_position
         assert [[t for t, _ in row] for row in tops] == [[t for t, _ in row] for row in want_tops]
     assert ban not in got[2][0] and len(got[3][0]) >= 20 and expected[4][0] == plain[2]
     assert eng.num_accepted_tokens > 0 and eng.kv.num_used_blocks == 0
+
+
+def test_guided_rows_verify_each_position_under_its_own_mask(smollm2_dir):
+    """A JSON schema of repeated objects (n-gram drafts hit on the repeated keys): each verified position is masked
+    by the guide past the drafts before it, so greedy and seeded outputs equal those without speculation, and the
+    guide's own matcher sees only accepted tokens (the outputs parse)."""
+    import json
+
+    from backend.engine.guided_decoding import Guide
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    schema = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "id": {"type": "integer"}},
+        "required": ["name", "id"], "additionalProperties": False}}
+    prompt = encode(tokenizer, "Four users as JSON: [{\"name\": \"ann\", \"id\": 1}, ", False)
+    guide = Guide("json", json.dumps(schema))
+    params = [SamplingParams(max_tokens=120, guided=guide),
+              SamplingParams(max_tokens=120, guided=guide, temperature=0.7, seed=3)]
+    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate([prompt] * 2, params)
+    eng = speculating(smollm2_dir, 4)
+    got = eng.generate([prompt] * 2, params)
+    assert got == expected and eng.num_accepted_tokens > 0 and eng.kv.num_used_blocks == 0
+    for ids in got:
+        assert len(json.loads(decode_text(tokenizer, ids))) == 4
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(smollm2_dir, prompts, plain):

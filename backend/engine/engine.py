@@ -342,7 +342,13 @@ class LLMEngine:
             start = np.cumsum([0] + [len(d) + 1 for d in drafts])
             for i, row, draft, accepted in zip(drafted, start, drafts,
                                                accepted_tokens([v.token for v in verified], drafts)):
-                tokens[i] = verified[row:row + len(accepted)]  # the accepted drafts are the picks at their positions
+                picks = verified[row:row + len(accepted)]  # the accepted drafts are the picks at their positions
+                if picks[-1].token == NO_TOKEN:  # a guide that allows nothing after the accepted drafts
+                    picks.pop()
+                if not picks:
+                    dead.append(sched.scheduled[i][0])
+                    continue
+                tokens[i] = picks
                 self.num_draft_tokens += len(draft)
                 self.num_accepted_tokens += len(accepted) - 1
                 for j in range(len(draft)):
@@ -384,7 +390,10 @@ class LLMEngine:
             prefix = list(word[:-1])
             if not prefix or tokens[len(tokens) - len(prefix):] == prefix:
                 banned.append(word[-1])
-        return SamplerRow(p, seq.sampling_state, seq.prompt_token_ids, output, banned)
+        state = seq.sampling_state
+        if drafted and state.grammar is not None:
+            state = dataclasses.replace(state, grammar=state.grammar.after(list(drafted)))
+        return SamplerRow(p, state, seq.prompt_token_ids, output, banned)
 
     # -- conveniences -----------------------------------------------------------------------------
 

@@ -186,6 +186,20 @@ class GrammarState:
             self._matcher = self._compiler.matcher(self._compiled.result())
         return self._matcher
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (speculative drafts) the guide takes in order from here, up to a stop id (drafts end
+        before one: it would end the sequence)."""
+        until_stop = next((j for j, t in enumerate(tokens) if t in self.stop_token_ids), len(tokens))
+        return self.matcher.validate_tokens(tokens[:until_stop]) if until_stop else 0
+
+    def after(self, tokens: list[int]) -> GrammarState:
+        """A copy of this state past `tokens` (drafts the guide takes): the masks of a verified position."""
+        state = GrammarState(self._compiler, self._compiled, self.stop_token_ids)
+        state._matcher = self.matcher.deep_copy()
+        if not state._matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the guide refused drafts it had validated: {state._matcher.get_error()}")
+        return state
+
     def accept(self, token: int) -> None:
         if token in self.stop_token_ids:
             self.terminated = True

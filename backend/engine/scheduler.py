@@ -40,7 +40,7 @@ from backend.engine.errors import QueueFullError
 from backend.engine.kv_cache import KVCacheManager
 from backend.engine.sampling import Sampled
 from backend.engine.sequence import FinishReason, Sequence, Status
-from backend.engine.speculation import AUTO_MAX_BATCH, Drafter, NgramDrafter, eligible
+from backend.engine.speculation import AUTO_MAX_BATCH, Drafter, NgramDrafter, eligible, guide_drafts
 
 
 @dataclass
@@ -222,7 +222,8 @@ class Scheduler:
             return {}
         rooms = [(seq, room) for seq in self.running if id(seq) not in fresh
                  and (room := self._draft_room(seq, budget)) > 0]
-        return {id(seq): drafts for (seq, _), drafts in zip(rooms, self.drafter.propose(rooms) if rooms else [])}
+        return {id(seq): guide_drafts(seq, drafts)
+                for (seq, _), drafts in zip(rooms, self.drafter.propose(rooms) if rooms else [])}
 
     def _preempt(self, seq: Sequence) -> None:
         seq.draft_token_ids = []

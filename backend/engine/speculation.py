@@ -15,9 +15,9 @@ without speculation: a seeded output is the same with speculation on or off, and
 This is rejection sampling for drafts that are certain (an n-gram's, or a greedy draft model's: q is one-hot): the
 draft d is kept with probability p(d), and otherwise the token comes from p without d, renormalized.
 
-Penalties, bad words, the min_tokens ban and logprobs apply per verified position as they would without speculation
-(engine._sampler_row sees the drafts before the position as output). Guided rows do not speculate: they are sampled
-one token a step as before. The rejected drafts' KV slots are given back (scheduler.update_from_output): the computed
+Penalties, bad words, the min_tokens ban, logprobs and a guide's mask apply per verified position as they would
+without speculation (engine._sampler_row sees the drafts before the position as output, and a copy of the guide's
+matcher past them); a guided sequence's drafts stop at the first its guide refuses. The rejected drafts' KV slots are given back (scheduler.update_from_output): the computed
 tokens stop at the accepted ones, blocks past the sequence's tokens are released, and nothing past them enters the
 prefix cache (block hashes come from the sequence's tokens, never from drafts).
 """
@@ -39,9 +39,15 @@ AUTO_MAX_BATCH = {"ngram": 1, "draft": 4}
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether this sequence's next tokens may be verified several at a step: everything of a pick but a guide's mask
-    (whose matcher would have to take back rejected drafts) is computed per position from the tokens before it."""
-    return seq.params.guided is None and not seq.wants_prompt_logprobs
+    """Whether this sequence's next tokens may be verified several at a step (not while its prompt's logprobs are
+    still being computed)."""
+    return not seq.wants_prompt_logprobs
+
+
+def guide_drafts(seq: Sequence, drafts: list[int]) -> list[int]:
+    """A guided sequence's drafts up to the first its guide refuses (none past it could be accepted)."""
+    grammar = seq.sampling_state.grammar
+    return drafts if grammar is None or not drafts else drafts[:grammar.valid_prefix(drafts)]
 
 
 def propose_ngram(token_ids: list[int], k: int) -> list[int]:
