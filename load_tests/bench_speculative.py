@@ -3,13 +3,14 @@ prompts.
 
 Three prompt sets: chat turns whose answers copy their prompt (code editing, rewriting a paragraph), code- and
 list-like prompts that repeat themselves (what prompt lookup is for), and the benchmarks' seeded random prompts
-(which do not). Batch 1 and 16 (the 16 prompts cycle through the set), 64 new
-tokens, EOS ignored; each configuration once warm, then timed; the output of every speculating run is checked equal
-to the plain run's. Prints tok/s, the ratio to no speculation and the acceptance rate; the CPU named.
+(which do not). Batch 1, 4 and 16 (batches of that many prompts, one after another, until every prompt of the set
+ran: batch 1 is each prompt alone in turn; 16 cycles through the set), 64 new tokens, EOS ignored; each
+configuration once warm, then timed; the output of every speculating run is checked equal to the plain run's.
+Prints tok/s, the ratio to no speculation and the acceptance rate; the CPU named.
 --draft-model adds `speculative: draft` runs (`self`: the model itself, with --draft-quantization int4 a 3x cheaper
 copy whose greedy picks mostly agree).
 
-    python -m load_tests.bench_speculative [--model default|DIR] [--tokens 64] [--k 3,5] [--batches 1,16]
+    python -m load_tests.bench_speculative [--model default|DIR] [--tokens 64] [--k 3,5] [--batches 1,4,16]
         [--draft-model self|DIR --draft-quantization none|int8|int4]
 """
 
@@ -41,11 +42,14 @@ EDITING = [f"Rename the variable x to subtotal in this code and give the whole c
            f"Repeat this paragraph word for word, then say how many cities it names:\n{TEXT}"]
 
 
-def timed(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+def timed(engine: LLMEngine, prompts: list[list[int]], batch: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """tok/s over batches of `batch` prompts run one after another: every prompt of a set at least once (batch 1 is
+    each prompt alone in turn)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine.generate(prompts[:2], params)  # warm
+    cycled = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = [out for i in range(0, len(cycled), batch) for out in engine.generate(cycled[i:i + batch], params)]
     return sum(map(len, outs)) / (time.perf_counter() - start), outs
 
 
@@ -54,7 +58,7 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--k", default="3,5", help="num_speculative_tokens values")
-    p.add_argument("--batches", default="1,16")
+    p.add_argument("--batches", default="1,4,16")
     p.add_argument("--draft-model", default=None, help="self (the model) or a folder: also run speculative: draft")
     p.add_argument("--draft-quantization", default="none")
     p.add_argument("--no-ngram", action="store_true")
@@ -76,12 +80,11 @@ def main() -> None:
           f"{args.draft_model or 'none'} ({args.draft_quantization})")
     for name, prompts in sets.items():
         for batch in map(int, args.batches.split(",")):
-            batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-            base_tps, base_outs = timed(LLMEngine(EngineConfig.create(model=str(model))), batch_prompts, args.tokens)
+            base_tps, base_outs = timed(LLMEngine(EngineConfig.create(model=str(model))), prompts, batch, args.tokens)
             line = f"{name:9} batch {batch:2}: none {base_tps:7.1f} tok/s"
             for label, settings in variants:
                 engine = LLMEngine(EngineConfig.create(model=str(model), **settings))
-                tps, outs = timed(engine, batch_prompts, args.tokens)
+                tps, outs = timed(engine, prompts, batch, args.tokens)
                 assert outs == base_outs, f"{label} changed the output"
                 rate = engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)
                 line += f" | {label} {tps:7.1f} tok/s ({tps / base_tps:.2f}x, {100 * rate:.0f} % of drafts accepted)"
