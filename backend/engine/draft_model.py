@@ -29,6 +29,7 @@ class DraftModel:
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.q_tile = q_tile
         self.mirrors: dict[str, Sequence] = {}  # request id -> the draft model's copy of the sequence
+        self._synced: dict[str, int] = {}  # request id -> the sequence's length when its mirror last took its tokens
 
     def propose(self, rooms: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to `room` greedy draft tokens after each sequence's tokens ([] where the draft pool is short)."""
@@ -48,6 +49,7 @@ class DraftModel:
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: its mirror's blocks go back to the draft pool."""
         mirror = self.mirrors.pop(seq.request_id, None)
+        self._synced.pop(seq.request_id, None)
         if mirror is not None:
             self.kv.free(mirror)
 
@@ -55,12 +57,16 @@ class DraftModel:
         """The draft model's copy of `seq`, holding its tokens, computed up to where it agrees with them."""
         tokens = seq.token_ids
         mirror = self.mirrors.get(seq.request_id)
+        synced, self._synced[seq.request_id] = self._synced.get(seq.request_id, 0), len(tokens)
         if mirror is None:
             mirror = self.mirrors[seq.request_id] = Sequence(seq.request_id, tokens, SamplingParams(), 0)
             return mirror
-        known = mirror.prompt_token_ids[:mirror.num_computed_tokens]
-        agree = next((i for i, (a, b) in enumerate(zip(known, tokens)) if a != b), min(len(known), len(tokens)))
-        mirror.prompt_token_ids, mirror.num_computed_tokens = tokens, min(agree, len(tokens) - 1)
+        # its first `synced` tokens are the sequence's own (a sequence only grows); past them, its drafts
+        known = mirror.prompt_token_ids[synced:mirror.num_computed_tokens]
+        agree = synced + next((i for i, (a, b) in enumerate(zip(known, tokens[synced:])) if a != b),
+                              min(len(known), len(tokens) - synced))
+        mirror.prompt_token_ids, mirror.num_computed_tokens = tokens, min(agree, mirror.num_computed_tokens,
+                                                                          len(tokens) - 1)
         self.kv.trim(mirror)
         return mirror
 
