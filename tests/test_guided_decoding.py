@@ -14,6 +14,7 @@ import ast
 import json
 import re
 import threading
+from concurrent import futures
 
 import jsonschema
 import numpy as np
@@ -91,12 +92,16 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]] | None = None
-        ) -> list[tuple[list[int], str]]:
-    """Each request's output ids and finish reason, all in flight at once (each prompt PROMPT unless given)."""
+def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]] | None = None,
+        compiled_first: bool = False) -> list[tuple[list[int], str]]:
+    """Each request's output ids and finish reason, all in flight at once (each prompt PROMPT unless given); with
+    `compiled_first`, the first step waits for every guide to compile (so all are admitted together, however
+    slowly a busy machine compiles)."""
     ids = [f"g{i}-{id(p)}" for i, p in enumerate(params)]
     for rid, p, prompt in zip(ids, params, prompts or [PROMPT] * len(params)):
         engine.add_request(rid, prompt, p)
+    if compiled_first:
+        futures.wait([engine.requests[rid].sampling_state.grammar.pending for rid in ids])
     got = {rid: ([], None) for rid in ids}
     while engine.has_unfinished():
         for out in engine.step():
@@ -270,7 +275,8 @@ def test_preemption_by_recompute_keeps_the_matcher_right(tiny_model_dir, tokeniz
     prompts = [[100 + i] + PROMPT * 13 + [7] * 4 for i in range(len(params))]  # 6 full blocks each, none shared
     roomy = run(LLMEngine(EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=256)), params, prompts)
     small = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), num_kv_blocks=37, block_size=16))
-    tight = run(small, params, prompts)  # 6 admitted fill 36 of 37 blocks; each first output token needs one more
+    tight = run(small, params, prompts, compiled_first=True)  # 6 admitted fill 36 of 37 blocks; each first output
+    # token needs one more
     assert small.scheduler.num_preemptions > 0
     assert tight == roomy
     finished = [(schema, ids) for schema, (ids, reason) in zip(schemas, tight) if reason == "stop"]
