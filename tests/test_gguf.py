@@ -27,7 +27,7 @@ from backend.engine.sampling import SamplingParams
 from backend.serving.model_store import prepare_default_model
 from backend.serving.tokenizer import load_tokenizer
 from load_tests.bench_quantization import fixed_text
-from tests.test_quantization import TOKENS, all_logits, loaded_rss
+from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import write_gguf
 
 BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes per block
@@ -79,10 +79,7 @@ def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_ggu
     assert set(runner.gemm_tactics.values()) <= {"q4_1_w4a8", "q8_0", "q8_0_w8a8"}
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
     assert not isinstance(runner.model.embed_tokens, torch.nn.Embedding), "the embedding stays in its blocks"
-    logits = all_logits(runner)
-    relative = (logits - reference).norm(dim=-1) / reference.norm(dim=-1)
-    assert relative.mean() <= 0.05, relative.mean()
-    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
+    assert_near(all_logits(runner), reference, 0.05, 0.85)
 
 
 def test_the_engine_serves_gguf_and_frees_its_blocks(tiny_gguf):

@@ -94,6 +94,13 @@ def test_q4_1_w4a8_is_exact_math_on_its_rounding(m, n, k):
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
+def assert_near(logits: torch.Tensor, reference: torch.Tensor, max_relative: float, min_agreement: float) -> None:
+    """Mean relative L2 distance per position at most `max_relative`, argmax agreement at least `min_agreement`."""
+    relative = (logits - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert relative.mean() <= max_relative, relative.mean()
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= min_agreement
+
+
 @pytest.fixture(scope="module")
 def float_logits(tiny_model_dir) -> torch.Tensor:
     return all_logits(TorchRunner(tiny_model_dir, "float32", 64, 16, gemm_backend="aten"))
@@ -109,10 +116,7 @@ def test_each_int8_tactic_forced_is_within_its_bounds(tiny_model_dir, float_logi
     assert set(runner.gemm_tactics.values()) == {tactic}
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear)), \
         "the float weights are released"
-    logits = all_logits(runner)
-    relative = (logits - float_logits).norm(dim=-1) / float_logits.norm(dim=-1)
-    assert relative.mean() <= 0.12, relative.mean()
-    assert (logits.argmax(-1) == float_logits.argmax(-1)).float().mean() >= 0.75
+    assert_near(all_logits(runner), float_logits, 0.12, 0.75)
 
 
 def test_int4_is_its_rounding_plus_int8_activations(tiny_model_dir, tmp_path):
@@ -136,10 +140,7 @@ def test_int4_is_its_rounding_plus_int8_activations(tiny_model_dir, tmp_path):
     runner = TorchRunner(tiny_model_dir, "float32", 64, 16, quantization="int4")
     assert {s.out_features: t for s, t in runner.gemm_tactics.items()}[runner.model.cfg.vocab_size] in INT8_TACTICS
     assert set(runner.gemm_tactics.values()) - set(INT8_TACTICS) == {"q4_1_w4a8"}
-    logits = all_logits(runner)
-    relative = (logits - reference).norm(dim=-1) / reference.norm(dim=-1)
-    assert relative.mean() <= 0.10, relative.mean()
-    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
+    assert_near(all_logits(runner), reference, 0.10, 0.75)
 
 
 def test_int8_auto_picks_among_int8_tactics_and_serves(tiny_model_dir):

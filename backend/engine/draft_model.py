@@ -10,21 +10,18 @@ propose: the target verifies them (speculation.py), so what the draft model comp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from backend.engine.batch import build_model_input
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.models.llama import load_model_config
+from backend.engine.runners.base import Runner
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
 
 
 class DraftModel:
-    def __init__(self, model_dir: str | Path, vocab_size: int, runner, block_size: int, q_tile: int):
-        cfg = load_model_config(model_dir)
-        if cfg.vocab_size != vocab_size:
-            raise ValueError(f"draft_model: its vocabulary has {cfg.vocab_size} tokens, the model's {vocab_size}: "
-                             "a draft model must share the model's tokenizer")
+    def __init__(self, vocab_size: int, runner: Runner, block_size: int, q_tile: int):
+        if runner.model_config.vocab_size != vocab_size:
+            raise ValueError(f"draft_model: its vocabulary has {runner.model_config.vocab_size} tokens, the model's "
+                             f"{vocab_size}: a draft model must share the model's tokenizer")
         self.runner = runner
         self.kv = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
         self.q_tile = q_tile

@@ -121,7 +121,7 @@ class LLMEngine:
         c = self.config
         runner = TorchRunner(c.draft_model, c.dtype, num_blocks, c.cache.block_size, c.device, c.attention,
                              "auto", c.draft_quantization)
-        return DraftModel(c.draft_model, self.model_config.vocab_size, runner, c.cache.block_size, c.q_tile)
+        return DraftModel(self.model_config.vocab_size, runner, c.cache.block_size, c.q_tile)
 
     # -- requests -------------------------------------------------------------------------------
 

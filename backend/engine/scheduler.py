@@ -209,7 +209,7 @@ class Scheduler:
     def _draft_room(self, seq: Sequence, budget: int) -> int:
         """How many speculative tokens a decode of an eligible sequence may verify (speculation.py): at most
         num_speculative_tokens, within the step's budget, max_tokens and the context length."""
-        if self.config.speculative == "none" or seq.num_uncomputed != 1 or not eligible(seq):
+        if seq.num_uncomputed != 1 or not eligible(seq):
             return 0
         return max(0, min(self.config.num_speculative_tokens, budget - 1,
                           seq.params.max_tokens - len(seq.output_token_ids) - 1,
@@ -218,7 +218,9 @@ class Scheduler:
     def _drafts(self, fresh: set[int], budget: int) -> dict[int, list[int]]:
         """id(sequence) -> its drafts this step, for the running decodes that may speculate (one batched call);
         none while more than speculative_max_batch sequences run."""
-        if len(self.running) > (self.config.speculative_max_batch or AUTO_MAX_BATCH.get(self.config.speculative, 0)):
+        config = self.config
+        if config.speculative == "none" or len(self.running) > (config.speculative_max_batch
+                                                                 or AUTO_MAX_BATCH[config.speculative]):
             return {}
         rooms = [(seq, room) for seq in self.running if id(seq) not in fresh
                  and (room := self._draft_room(seq, budget)) > 0]

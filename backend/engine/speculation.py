@@ -17,9 +17,10 @@ draft d is kept with probability p(d), and otherwise the token comes from p with
 
 Penalties, bad words, the min_tokens ban, logprobs and a guide's mask apply per verified position as they would
 without speculation (engine._sampler_row sees the drafts before the position as output, and a copy of the guide's
-matcher past them); a guided sequence's drafts stop at the first its guide refuses. The rejected drafts' KV slots are given back (scheduler.update_from_output): the computed
-tokens stop at the accepted ones, blocks past the sequence's tokens are released, and nothing past them enters the
-prefix cache (block hashes come from the sequence's tokens, never from drafts).
+matcher past them); a guided sequence's drafts stop at the first its guide refuses. The rejected drafts' KV slots
+are given back (scheduler.update_from_output): the computed tokens stop at the accepted ones, blocks past the
+sequence's tokens are released, and nothing past them enters the prefix cache (block hashes come from the sequence's
+tokens, never from drafts).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from backend.engine.sequence import Sequence
 
