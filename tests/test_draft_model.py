@@ -114,6 +114,42 @@ def test_no_drafts_while_more_than_speculative_max_batch_run(tiny_model_dir):
     assert drafted[1] == 0 < drafted[6]
 
 
+def test_sampled_outputs_follow_the_target_distribution(tmp_path_factory):
+    """A chi-square test of exactness: 3,000 seeded samples of 3 tokens from an 8-token model with another random
+    model's drafts (most rejected, some accepted); each position's token distribution is the target model's (HF,
+    float64 over all 64 prefixes). Each test's p-value must exceed 1e-3 (the seeds are fixed, so the outcome is
+    too); a sampler that drew a verified position from the draft, or reused one noise for all positions, fails."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_model import TINY_LLAMA, save_random_llama
+
+    config = LlamaConfig(**{**TINY_LLAMA, "initializer_range": 0.3}, vocab_size=8, bos_token_id=0, eos_token_id=1)
+    target = save_random_llama(tmp_path_factory.mktemp("chi2_target"), config, seed=0)
+    draft = save_random_llama(tmp_path_factory.mktemp("chi2_draft"), config, seed=5)
+    prompt, n, temperature = [3, 5, 2, 7], 3000, 1.5
+    engine = drafting(target, draft, 2, max_waiting=n)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=temperature, seed=seed) for seed in range(n)]
+    outs = torch.tensor(engine.generate([prompt] * n, params))
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+    check_pools_free(engine)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32, local_files_only=True).eval()
+    pairs = torch.cartesian_prod(torch.arange(8), torch.arange(8))
+    with torch.inference_mode():
+        logits = hf(torch.cat([torch.tensor([prompt] * 64), pairs], dim=1)).logits.double() / temperature
+    probs = logits.softmax(-1)  # [64, 6, 8]: row (t1, t2); position 3 predicts t1, 4 t2 given t1, 5 t3 given both
+    p1 = probs[0, 3]
+    p12 = p1[:, None] * probs[::8, 4]  # [t1, t2]
+    p3 = (p12.reshape(64, 1) * probs[:, 5]).sum(0)
+    for position, expected in enumerate((p1, p12.sum(0), p3)):
+        counts = torch.bincount(outs[:, position], minlength=8).double()
+        e = n * expected
+        chi2 = ((counts - e) ** 2 / e).sum()
+        p_value = torch.special.gammaincc(torch.tensor(7 / 2, dtype=torch.float64), chi2 / 2).item()
+        assert p_value > 1e-3, (position, counts.tolist(), e.tolist(), p_value)
+
+
 @pytest.mark.parametrize(("settings", "words"), [
     (dict(speculative="draft"), "draft_model: set it"),
     (dict(speculative="ngram", draft_model="/somewhere"), "draft_model: set it"),
