@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-p", type=float)
     p.add_argument("--stream-interval", type=int, metavar="N",
                    help="after the first token, one response per N tokens (default: the server's)")
+    p.add_argument("--lora", metavar="NAME", help="the LoRA adapter to run with (one the llm loaded: lora_modules)")
     p.add_argument("-n", type=int, default=1, help="samples of the prompt (printed one by one at the end when > 1)")
     p.add_argument("--top-logprobs", type=int, metavar="N", help="print each new token's logprob and N likeliest")
     p.add_argument("--prompt-logprobs", type=int, metavar="N", help="print each prompt token's logprob and N likeliest")
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                    apply_chat_template=args.chat_template, exclude_input_in_output=True, return_num_output_tokens=True,
                    return_finish_reason=True, num_return_sequences=args.n if args.n > 1 else None,
                    top_logprobs=args.top_logprobs, return_log_probs=args.top_logprobs is not None or None,
-                   prompt_logprobs=args.prompt_logprobs, stream_interval=args.stream_interval, **guided_inputs(args))
+                   prompt_logprobs=args.prompt_logprobs, stream_interval=args.stream_interval, lora_name=args.lora,
+                   **guided_inputs(args))
     client = LLMClient(args.url, args.model)
     start = time.monotonic()
     times, outputs, samples = [], {}, {}

@@ -17,7 +17,22 @@ def _hf_model(model_dir: str):
 
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    model = _hf_model(str(model_dir))
+    return _greedy(_hf_model(str(model_dir)), prompts, max_tokens)
+
+
+def peft_greedy(model_dir: Path | str, adapter: Path | str | None, prompts: list[list[int]],
+                max_tokens: list[int]) -> list[list[int]]:
+    """HF + peft with the LoRA adapter folder `adapter` (None: HF alone), as `hf_greedy`."""
+    from peft import PeftModel
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    model.generation_config.eos_token_id = None
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return _greedy(model.eval(), prompts, max_tokens)
+
+
+def _greedy(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     outs = []
     with torch.inference_mode():
         for prompt, n in zip(prompts, max_tokens):

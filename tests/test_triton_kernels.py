@@ -21,7 +21,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
 def tensors(batch) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(a).to(DEVICE) for name, a in vars(batch).items()}
+    return {name: torch.from_numpy(a).to(DEVICE) for name, a in vars(batch).items() if a is not None}  # no LoRA
 
 
 def random_case(dtype: torch.dtype, seed: int = 0, num_blocks: int = 64):

@@ -14,10 +14,14 @@ min(q_tile, longest chunk): a decode-only batch has Q = 1 and no padding at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from backend.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from backend.engine.lora import LoraBatch
 
 GRAPH_INPUTS = ("token_ids", "positions", "row_block_tables", "row_token_index", "kv_src", "kv_dst",
                 "token_slot", "logits_index")
@@ -38,6 +42,7 @@ class ModelInput:
     token_slot: np.ndarray  # [T]
     logits_index: np.ndarray  # [L] tokens whose logits the step returns
     logits_start: np.ndarray  # [S + 1] each sequence's rows of the logits; its last row is its last token's
+    lora: LoraBatch | None = None  # the tokens of sequences with a LoRA adapter, by adapter (PyTorch runner only)
 
     @property
     def num_tokens(self) -> int:

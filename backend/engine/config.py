@@ -95,6 +95,11 @@ class EngineConfig:
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     draft_model: str | None = None  # speculative: draft: a small model folder with the model's tokenizer (or itself)
     draft_quantization: str = "none"  # the draft model's weights, as `quantization` (the model's own, int4: 3x faster)
+    # LoRA adapters (lora.py): `name=path,...` loaded at start (PEFT folders); more at run time (LLMEngine.load_lora).
+    # At most max_loras resident (an evicted one reloads when named again), ranks up to max_lora_rank
+    lora_modules: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
     q_tile: int = 16  # attention row width for prefill chunks (see backend/engine/batch.py)
     # served streams: after its first, a sequence's outputs go out N steps at a time (the serving loop applies it,
     # backend/serving/engine_thread.py; a request's own stream_interval input overrides it)
@@ -105,6 +110,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {self.stream_interval}")
+        for key in ("max_loras", "max_lora_rank"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.lora_modules and (self.runtime, self.device) != ("torch", "cpu"):
+            raise ValueError(f"lora_modules: adapters are served by runtime torch on the CPU, not {self.runtime} on "
+                             f"{self.device}")
         if (self.scheduler.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: set it (a model folder with the model's tokenizer) exactly when "
                              f"speculative is draft (speculative: {self.scheduler.speculative})")

@@ -24,6 +24,7 @@ from backend.engine.errors import InvalidRequestError, UnknownRequestError
 from backend.engine.guided_decoding import GUIDE_FIELD, GrammarCompiler, GrammarState
 from backend.engine.kv_cache import KVCacheManager, bytes_per_block
 from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
+from backend.engine.lora import LoraAdapter, LoraBatch, LoraRegistry, parse_lora_modules
 from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
@@ -79,6 +80,10 @@ class EngineStats:
     num_accepted_tokens: int = 0
     drafted_by_position: tuple[int, ...] = ()  # [j]: drafts at position j + 1 of their step verified, and accepted
     accepted_by_position: tuple[int, ...] = ()
+    lora_resident: int = 0  # LoRA adapters loaded now; loads and evictions so far; requests per adapter so far
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_requests: tuple[tuple[str, int], ...] = ()
 
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -113,6 +118,12 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self.drafted_by_position = [0] * config.scheduler.num_speculative_tokens  # [j]: the step's (j + 1)-th draft
         self.accepted_by_position = [0] * config.scheduler.num_speculative_tokens
+        self.loras = LoraRegistry(model_cfg, torch_dtype(config.dtype), config.max_loras, config.max_lora_rank)
+        for name, path in parse_lora_modules(config.lora_modules).items():
+            try:
+                self.loras.register(name, path, set())
+            except ValueError as e:
+                raise ValueError(f"lora_modules: {e}") from None
 
     def _draft_model(self, num_blocks: int) -> DraftModel:
         """`speculative: draft`: the draft model on the torch runtime, with a pool of as many blocks as the model's."""
@@ -127,9 +138,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: PromptIds[int],
                     sampling_params: SamplingParams | None = None, priority: int = 0,
-                    tenant: str | None = None, cache_salt: str | None = None) -> None:
+                    tenant: str | None = None, cache_salt: str | None = None, lora_name: str | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (naming the field) or QueueFullError. Its prompt shares cached
-        KV blocks only with requests of the same `cache_salt` (and tenant, by `prefix_cache_scope`)."""
+        KV blocks only with requests of the same `cache_salt` (and tenant, by `prefix_cache_scope`) and the same
+        LoRA adapter (`lora_name`, loaded before: `lora_modules`, `load_lora`; none: the base model)."""
         params = sampling_params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         if self.has_request(request_id):
@@ -150,9 +162,10 @@ class LLMEngine:
         if quota and quota.max_blocks is not None and \
                 self.kv.blocks_for(len(prompt) + params.max_tokens) > quota.max_blocks:
             raise InvalidRequestError("max_tokens", f"prompt + max_tokens exceed tenant {tenant!r}'s KV quota")
-        salt = self.cache_salt(tenant, cache_salt)
+        lora = self._lora(lora_name)
+        salt = self.cache_salt(tenant, cache_salt, lora)
         if params.n == 1:
-            self._add_sequence(request_id, prompt, params, priority, tenant, salt)
+            self._add_sequence(request_id, prompt, params, priority, tenant, salt, lora=lora)
             return
         # n samples, each a sequence; the first computes the prompt (and its logprobs, when asked), the others wait
         # for it and take its blocks from the prefix cache. Sample i's seed is seed + i (vLLM's rule): each is
@@ -163,7 +176,7 @@ class LLMEngine:
                 sample = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
                                              prompt_logprobs=params.prompt_logprobs if i == 0 else None)
                 seq = self._add_sequence(sample_id, prompt, sample, priority, tenant, salt, sample_of=request_id,
-                                         index=i, prefill_leader=leader)
+                                         index=i, prefill_leader=leader, lora=lora)
                 leader = leader or seq
         except Exception:
             for sample_id in ids[:i]:  # all or none
@@ -187,6 +200,47 @@ class LLMEngine:
         self._arrivals += 1
         self.requests[request_id] = seq
         return seq
+
+    def _lora(self, name: str | None) -> LoraAdapter | None:
+        """The adapter a new request names (loaded again if it was evicted), or None for the base model."""
+        if name is None:
+            return None
+        try:
+            return self.loras.acquire(name, self._loras_in_use())
+        except (KeyError, ValueError) as e:
+            raise InvalidRequestError("lora_name", e.args[0]) from None
+
+    def _loras_in_use(self) -> set[str]:
+        return {seq.lora.name for seq in self.requests.values() if seq.lora is not None}
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load (or replace) the PEFT LoRA adapter at `path` as `name` (vLLM's /v1/load_lora_adapter). Raises
+        InvalidRequestError naming what is wrong; replacing an adapter that unfinished requests use is refused."""
+        if (self.config.runtime, self.config.device) != ("torch", "cpu"):
+            raise InvalidRequestError("lora_path", f"adapters are served by runtime torch on the CPU, not "
+                                                   f"{self.config.runtime} on {self.config.device}")
+        try:
+            self.loras.register(name, path, self._loras_in_use())
+        except ValueError as e:
+            raise InvalidRequestError("lora_path", e.args[0]) from None
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter; refused (InvalidRequestError) while unfinished requests use it: they are not cut short."""
+        try:
+            self.loras.unregister(name, self._loras_in_use())
+        except (KeyError, ValueError) as e:
+            raise InvalidRequestError("lora_name", e.args[0]) from None
+
+    def lora_of_task(self, task_id: int) -> str:
+        """The name of the adapter with tensorrtllm_backend's `lora_task_id` (1, 2, ... in the order loaded)."""
+        try:
+            return self.loras.name_of_task(task_id)
+        except KeyError as e:
+            raise InvalidRequestError("lora_task_id", e.args[0]) from None
+
+    def list_loras(self) -> dict[str, str]:
+        """Adapter name -> its folder."""
+        return dict(self.loras.paths)
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request (a sequence, or a request of n samples) has not finished."""
@@ -243,13 +297,14 @@ class LLMEngine:
         seq.error = error
         return self.finish(seq.request_id, FinishReason.ERROR)
 
-    def cache_salt(self, tenant: str | None, cache_salt: str | None) -> str | None:
+    def cache_salt(self, tenant: str | None, cache_salt: str | None, lora: LoraAdapter | None = None) -> str | None:
         """The salt of a request's block hashes: its own `cache_salt`, behind its tenant's name where the prefix
-        cache is scoped by tenant; None (shared by all) for neither."""
+        cache is scoped by tenant and behind its LoRA adapter's digest; None (shared by all) for none of them."""
         scoped = tenant if self.config.cache.prefix_cache_scope == "tenant" else None
-        if scoped is None:
+        parts = ([] if lora is None else [f"lora={lora.digest}"]) + ([] if scoped is None else [f"tenant={scoped}"])
+        if not parts:
             return cache_salt
-        return f"tenant={scoped}" + ("" if cache_salt is None else f"\x00{cache_salt}")
+        return "\x00".join(parts + ([] if cache_salt is None else [cache_salt]))
 
     def export_kv(self, token_ids: list[int], salt: str | None = None) -> ExportedKV:
         """A copy of the K/V of the longest cached run of `token_ids`' full blocks (after a prefill ran them), under
@@ -319,6 +374,7 @@ class LLMEngine:
         batch = build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile,
                                   [n if seq.wants_prompt_logprobs else 1 + len(seq.draft_token_ids)
                                    for seq, n in sched.scheduled])
+        batch.lora = LoraBatch.of([seq.lora for seq, _ in sched.scheduled], batch.query_start)
         logits = self.runner.forward(batch, between_layers)
         for i, (seq, n) in enumerate(sched.scheduled):
             if seq.wants_prompt_logprobs:
@@ -427,4 +483,8 @@ class LLMEngine:
             num_accepted_tokens=self.num_accepted_tokens,
             drafted_by_position=tuple(self.drafted_by_position),
             accepted_by_position=tuple(self.accepted_by_position),
+            lora_resident=len(self.loras.resident),
+            lora_loads=self.loras.num_loads,
+            lora_evictions=self.loras.num_evictions,
+            lora_requests=tuple(sorted(self.loras.requests.items())),
         )

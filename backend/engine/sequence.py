@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.engine.sampling import Sampled, SamplingParams, SamplingState
+
+if TYPE_CHECKING:
+    from backend.engine.lora import LoraAdapter
 
 
 class Status(enum.Enum):
@@ -37,6 +41,7 @@ class Sequence:
     priority: int = 0  # lower value = served first (vLLM's convention)
     tenant: str | None = None
     cache_salt: str | None = None  # in its first block's hash: only sequences with the same salt share KV blocks
+    lora: LoraAdapter | None = None  # the adapter its tokens run with (its digest is in cache_salt)
     sample_of: str | None = None  # the request's id when it has n > 1 samples (this one's id is `<that>/<index>`)
     index: int = 0  # which sample of its request
     prefill_leader: "Sequence | None" = None  # the sample that computes the shared prompt first (n > 1)

@@ -262,8 +262,9 @@ class EngineLoop:
         try:
             if req.kv is not None:  # a remote prefill's blocks: the request finds them as cached prefix
                 self.engine.import_kv(req.prompt_token_ids, req.kv, self.engine.cache_salt(req.tenant, req.cache_salt))
+            lora = req.lora_name if req.lora_task_id is None else self.engine.lora_of_task(req.lora_task_id)
             self.engine.add_request(sub.engine_id, req.prompt_token_ids, req.params, req.priority, req.tenant,
-                                    req.cache_salt)
+                                    req.cache_salt, lora)
         except Exception as err:  # noqa: BLE001 - invalid or overloaded: this request's error
             reason = "overloaded" if isinstance(err, QueueFullError) else "invalid"
             self._queue(functools.partial(self.observer.on_refused, reason), FIRST)

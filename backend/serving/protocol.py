@@ -117,6 +117,11 @@ INPUTS: tuple[TensorSpec, ...] = (
     _input("tenant", "TYPE_STRING", (1,), "the tenant whose quota the request counts against; empty: none"),
     _input("cache_salt", "TYPE_STRING", (1,), "only requests with the same salt (and tenant) share cached prompt "
                                               "blocks (vLLM's); empty: none"),
+    _input("lora_name", "TYPE_STRING", (1,), "the LoRA adapter to run with, by the name the llm loaded it under "
+                                             "(its lora_modules); empty: the base model"),
+    _input("lora_task_id", "TYPE_UINT64", (1,), "tensorrtllm_backend's: the adapter by its task id (1, 2, ... in "
+                                                "the order of the llm's lora_modules); lora_weights and lora_config "
+                                                "are not taken: adapters load from their folders"),
     _input("timeout_ms", "TYPE_INT32", (1,), "end the request this long after it arrived, finish reason "
                                              "`timeout`, with what it generated so far; 0: no deadline"),
     _input("stream_interval", "TYPE_INT32", (1,), "after the first, send the tokens of N engine steps in one "

@@ -36,6 +36,7 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 # (1 Mi characters of text_input is some 250k tokens of English, more than any context served here).
 MAX_ENTRIES = {"stop_words": 256, "bad_words": 256}
 MAX_CHARS = {"text_input": 1 << 20, "stop_words": 1024, "bad_words": 1024, "tenant": 4096, "cache_salt": 4096,
+             "lora_name": 256,
              "guided_decoding_guide": 1 << 18}
 MAX_STREAM_INTERVAL = 256
 # The fields the engine names in its errors (LLMEngine.add_request, SamplingParams.validate) -> the inputs
@@ -54,6 +55,8 @@ class GenerationRequest:
     priority: int = 0
     tenant: str | None = None
     cache_salt: str | None = None  # only requests with the same salt (and tenant) share cached prompt blocks
+    lora_name: str | None = None  # the LoRA adapter it runs with (or lora_task_id: tensorrtllm_backend's)
+    lora_task_id: int | None = None
     stop_strings: list[str] = field(default_factory=list)
     exclude_input_in_output: bool = True
     return_num_input_tokens: bool = False
@@ -147,9 +150,11 @@ def parse_request(inputs: Mapping[str, np.ndarray | None], tokenizer, eos_token_
         given.setdefault("min_tokens", given.pop("min_length"))
     if "stop_words" in given:
         given["stop_strings"] = given.pop("stop_words")
-    for name in ("tenant", "cache_salt"):
+    for name in ("tenant", "cache_salt", "lora_name"):
         if name in given:
             given[name] = given[name] or None
+    if given.get("lora_name") is not None and "lora_task_id" in given:
+        raise InvalidRequestError("lora_name or lora_task_id", "give one of them, not both")
     if given.get("timeout_ms", 0) < 0:
         raise InvalidRequestError("timeout_ms", f"must be >= 0 (0: no deadline), got {given['timeout_ms']}")
     if not 0 <= given.get("stream_interval", 0) <= MAX_STREAM_INTERVAL:

@@ -43,6 +43,12 @@ class TritonMetrics(LoopObserver):
         self.draft_tokens = metric("llm_spec_draft_tokens_total", "Speculative tokens verified (ngram or draft)",
                                    fam.COUNTER)
         self.accepted_tokens = metric("llm_spec_accepted_tokens_total", "Speculative tokens accepted", fam.COUNTER)
+        self.lora_resident = metric("llm_lora_adapters_resident", "LoRA adapters loaded in memory", fam.GAUGE)
+        self.lora_loads = metric("llm_lora_loads_total", "LoRA adapters loaded (at start, at run time, or again "
+                                 "after an eviction)", fam.COUNTER)
+        self.lora_evictions = metric("llm_lora_evictions_total", "LoRA adapters evicted to make room (max_loras)",
+                                     fam.COUNTER)
+        self._lora_requests: dict[str, object] = {}  # adapter name -> its request counter, made at its first request
         # per position of a draft in its step (1 = the first), made when a position is first drafted
         self._new_metric, self._counter = metric, fam.COUNTER
         self._position_counters: dict[tuple[str, int], object] = {}
@@ -82,6 +88,14 @@ class TritonMetrics(LoopObserver):
                                     ("drafts", self.draft_tokens, s.num_draft_tokens),
                                     ("accepted", self.accepted_tokens, s.num_accepted_tokens)):
             self._add(key, counter, total)
+        self.lora_resident.set(s.lora_resident)
+        self._add("lora_loads", self.lora_loads, s.lora_loads)
+        self._add("lora_evictions", self.lora_evictions, s.lora_evictions)
+        for name, total in s.lora_requests:
+            if name not in self._lora_requests:
+                self._lora_requests[name] = self._new_metric("llm_lora_requests_total", "Requests by LoRA adapter",
+                                                             self._counter, {"lora": name})
+            self._add(f"lora@{name}", self._lora_requests[name], total)
         for kind, totals in (("drafted", s.drafted_by_position), ("accepted", s.accepted_by_position)):
             for j, total in enumerate(totals):
                 if total:

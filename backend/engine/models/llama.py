@@ -215,18 +215,25 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, h, next_norm: RMSNorm, cos, sin, layer_cache_k, layer_cache_v, rows, ops):
+    def forward(self, x, h, next_norm: RMSNorm, cos, sin, layer_cache_k, layer_cache_v, rows, ops, lora=None,
+                index: int = 0):
         """x: the residual stream, h: its input_layernorm. Returns the stream after this layer, its norm by
-        `next_norm` (the next layer's input_layernorm, or the final norm), and this layer's new K and V."""
+        `next_norm` (the next layer's input_layernorm, or the final norm), and this layer's new K and V. `lora`
+        (lora.LoraBatch, eager only) adds its adapters' deltas to the Linears of layer `index`."""
         cfg = self.cfg
         T = x.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v = self.qkv_proj(h).split([H * D, KVH * D, KVH * D], dim=-1)
+
+        def linear(name: str, inputs: torch.Tensor) -> torch.Tensor:
+            out = getattr(self, name)(inputs)
+            return out if lora is None else lora.add(index, name, inputs, out)
+
+        q, k, v = linear("qkv_proj", h).split([H * D, KVH * D, KVH * D], dim=-1)
         q, k = ops.rotary(q.view(T, H, D), k.view(T, KVH, D), cos, sin)
         v = v.view(T, KVH, D)
         attn = rows.attend(q, k, v, layer_cache_k, layer_cache_v, cfg)
-        x, h = ops.add_rms_norm(self.o_proj(attn), x, self.post_attention_layernorm)
-        x, h = ops.add_rms_norm(self.down_proj(ops.silu_mul(self.gate_up_proj(h))), x, next_norm)
+        x, h = ops.add_rms_norm(linear("o_proj", attn), x, self.post_attention_layernorm)
+        x, h = ops.add_rms_norm(linear("down_proj", ops.silu_mul(linear("gate_up_proj", h))), x, next_norm)
         return x, h, k, v
 
 
@@ -336,6 +343,7 @@ class PagedLlama(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`)
         kernel: KernelLayout | TritonLayout | None = None,  # attend with a kernel, which writes the new K/V itself
         between_layers: Callable[[], None] | None = None,  # eager only: called after each layer but the last
+        lora=None,  # eager only: a lora.LoraBatch, the tokens of sequences with a LoRA adapter
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (logits [L, vocab] of the tokens at `logits_index`, new K/V [L, 2, T, KVH, D]); with
         `kernel` the new K/V are already in the cache, and None is returned for them. `between_layers` may run
@@ -350,7 +358,7 @@ class PagedLlama(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, h, k, v = layer(x, h, norms[i], cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows, ops)
+            x, h, k, v = layer(x, h, norms[i], cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows, ops, lora, i)
             if kernel is None:
                 new_kv.append(torch.stack((k, v)))
             if between_layers is not None and i + 1 < len(self.layers):

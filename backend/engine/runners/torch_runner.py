@@ -74,8 +74,9 @@ class TorchRunner:
             kernel = KernelLayout(tensor(batch.block_tables), tensor(batch.query_start), tensor(batch.context_lens),
                                   tensor(batch.slot_mapping))
             logits, _ = self.model(**inputs, kv_cache=self.kv_cache, kernel=kernel,  # writes K/V itself
-                                   between_layers=between_layers)
+                                   between_layers=between_layers, lora=batch.lora)
         else:
-            logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache, between_layers=between_layers)
+            logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache, between_layers=between_layers,
+                                        lora=batch.lora)
             write_new_kv(self.kv_cache, batch, new_kv)
         return logits.cpu()
