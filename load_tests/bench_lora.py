@@ -4,7 +4,7 @@ distinct adapters, against the base model alone, in one run; and the time to loa
 Seeded random PEFT adapters (load_tests/lora_adapters.py) of `--rank` on all seven Linears of every layer, written
 once to a temporary folder. Every configuration runs the same prompts (the benchmarks' seeded random ones) as one
 batch of `--batch` requests, request i on adapter i mod N, `--tokens` new tokens, EOS ignored; each once warm, then
-`--repeats` times, the median kept. "base" is an engine without adapters; the others one engine with all of them
+`--repeats` rounds of every configuration in turn, the median kept. "base" is an engine without adapters; the others one engine with all of them
 loaded (0: loaded, none used). Prints tok/s and the ratio to base; the CPU named.
 
     python -m load_tests.bench_lora [--model default|DIR] [--rank 16] [--batch 32] [--tokens 64] [--adapters 0,1,4,16]
@@ -73,13 +73,19 @@ def main() -> None:
                   f"{1e3 * max(loads):.1f}) per adapter", flush=True)
         runs = [("base", base, [None] * args.batch)]
         runs += [(f"{k} adapters", loras, [f"lora{i % k}" if k else None for i in range(args.batch)]) for k in counts]
-        base_tps = None
-        for label, engine, adapters in runs:
+        for _, engine, adapters in runs:
             timed(engine, prompts[:4], adapters[:4], 8)  # warm
-            tps = statistics.median(timed(engine, prompts, adapters, args.tokens) for _ in range(args.repeats))
-            base_tps = base_tps or tps
-            print(f"{label:12} {tps:7.1f} tok/s ({tps / base_tps:.2f}x base)", flush=True)
-            assert engine.kv.num_used_blocks == 0
+        # the configurations in turn, `repeats` rounds: a drift of the machine touches them all alike
+        rates = {label: [] for label, _, _ in runs}
+        for _ in range(args.repeats):
+            for label, engine, adapters in runs:
+                rates[label].append(timed(engine, prompts, adapters, args.tokens))
+                assert engine.kv.num_used_blocks == 0
+        base_tps = statistics.median(rates["base"])
+        for label, values in rates.items():
+            tps = statistics.median(values)
+            print(f"{label:12} {tps:7.1f} tok/s ({tps / base_tps:.2f}x base; runs {', '.join(f'{v:.1f}' for v in values)})",
+                  flush=True)
 
 
 if __name__ == "__main__":

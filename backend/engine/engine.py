@@ -371,6 +371,8 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, between_layers: Callable[[], None] | None) -> list[RequestOutput]:
         """Forward, sample and update for a scheduled batch; its outputs."""
+        if any(seq.lora is not None for seq, _ in sched.scheduled):  # each adapter's rows together (lora.LoraBatch)
+            sched.scheduled.sort(key=lambda item: (item[0].lora is not None, item[0].lora and item[0].lora.name))
         batch = build_model_input(sched.scheduled, self.kv.block_size, self.config.q_tile,
                                   [n if seq.wants_prompt_logprobs else 1 + len(seq.draft_token_ids)
                                    for seq, n in sched.scheduled])
