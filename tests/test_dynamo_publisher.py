@@ -21,15 +21,19 @@ def test_chained_stores_go_out_as_one_event_and_order_is_kept():
     feed = RouterFeed(snapshot_type=dict)
     feed.kv_publisher = Recorder()
     feed.on_kv_events([BlockStored(a, None, (1, 2)), BlockStored(b, a, (3, 4)), BlockRemoved(x),
-                       BlockRemoved(c), BlockStored(c, x, (5, 6)), BlockStored(a, None, (1, 2), "tenant=t")])
+                       BlockRemoved(c), BlockStored(c, x, (5, 6)), BlockStored(a, None, (1, 2), "tenant=t"),
+                       BlockStored(b, None, (1, 2), None, "sql")])
     assert feed.kv_publisher.calls == [
         ("stored", {"token_ids": [1, 2, 3, 4], "num_block_tokens": [2, 2],
-                    "block_hashes": [block_id64(a), block_id64(b)], "parent_hash": None, "cache_salt": None}),
+                    "block_hashes": [block_id64(a), block_id64(b)], "parent_hash": None, "cache_salt": None,
+                    "lora_name": None}),
         ("removed", [block_id64(x), block_id64(c)]),
         ("stored", {"token_ids": [5, 6], "num_block_tokens": [2], "block_hashes": [block_id64(c)],
-                    "parent_hash": block_id64(x), "cache_salt": None}),
+                    "parent_hash": block_id64(x), "cache_salt": None, "lora_name": None}),
         ("stored", {"token_ids": [1, 2], "num_block_tokens": [2], "block_hashes": [block_id64(a)],
-                    "parent_hash": None, "cache_salt": "tenant=t"}),  # the router hashes the tokens with the salt
+                    "parent_hash": None, "cache_salt": "tenant=t", "lora_name": None}),  # the router hashes with it
+        ("stored", {"token_ids": [1, 2], "num_block_tokens": [2], "block_hashes": [block_id64(b)],
+                    "parent_hash": None, "cache_salt": None, "lora_name": "sql"}),  # and with a LoRA adapter's name
     ]
 
 

@@ -37,7 +37,8 @@ class RouterFeed(LoopObserver):
                 token_ids=[t for e in group for t in e.token_ids],
                 num_block_tokens=[len(e.token_ids) for e in group],
                 block_hashes=[block_id64(e.block_hash) for e in group],
-                parent_hash=None if parent is None else block_id64(parent), cache_salt=group[0].cache_salt)
+                parent_hash=None if parent is None else block_id64(parent), cache_salt=group[0].cache_salt,
+                lora_name=group[0].lora_name)
 
     def on_step(self, stats: EngineStats, step_seconds: float) -> None:
         self.on_idle(stats)

@@ -10,7 +10,7 @@ With `ignore_eos` the frontend sends no stop strings at all (a benchmark run to 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from backend.engine.errors import InvalidRequestError
@@ -43,7 +43,9 @@ def guide(options: Mapping[str, Any]) -> Guide | None:
 
 
 def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...],
-                       max_model_len: int) -> GenerationRequest:
+                       max_model_len: int, adapters: Collection[str] = ()) -> GenerationRequest:
+    """`adapters`: the LoRA adapters' names, which the worker registers as the model's aliases; a request whose
+    `model` is one of them runs with that adapter."""
     prompt = list(request.get("token_ids") or [])
     if not prompt:
         raise InvalidRequestError("prompt", "the prompt is empty")
@@ -86,4 +88,5 @@ def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...
     # EOS is handled through stop_token_ids above (as the Triton door does), so the engine ignores its own
     return GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(**params, ignore_eos=True),
                              stop_strings=[s for s in stop.get("stop") or () if s],
-                             cache_salt=(request.get("routing") or {}).get("cache_salt") or None)  # nvext.cache_salt
+                             cache_salt=(request.get("routing") or {}).get("cache_salt") or None,  # nvext.cache_salt
+                             lora_name=request.get("model") if request.get("model") in adapters else None)

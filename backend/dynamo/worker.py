@@ -88,6 +88,23 @@ class EngineWorker(DynamoEngine):
                                 max_num_seqs=config.scheduler.max_num_seqs,
                                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
 
+    async def on_endpoint_ready(self, endpoint: Any) -> None:
+        """Each LoRA adapter (`lora_modules`) registered as a model of its own on this endpoint, as dynamo.vllm does:
+        OpenAI's `model` names it, and the request arrives with that name (a model alias would arrive renamed)."""
+        from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+        engine = self.loop.engine
+        if engine.list_loras() and self.disagg.role != "both":
+            raise ValueError("lora_modules: adapters are served by aggregated workers (--role both) for now")
+        for name in sorted(engine.list_loras()):
+            runtime = ModelRuntimeConfig()
+            runtime.context_length, runtime.total_kv_blocks = engine.max_model_len, engine.kv.num_blocks
+            await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, self.config.model,
+                                 kv_cache_block_size=self.config.cache.block_size, runtime_config=runtime,
+                                 user_data={"lora_adapter": True}, lora_name=name, base_model_path=self.config.model,
+                                 worker_type=WorkerType.Aggregated, ignore_weights=True)
+            LOG.info("LoRA adapter %r registered as a model", name)
+
     async def _stop_if_the_engine_dies(self) -> None:
         """A worker whose engine thread died must not stay registered: SIGTERM starts Dynamo's graceful
         shutdown, which unregisters it, so the frontend routes elsewhere (and the launcher says so)."""
@@ -115,7 +132,8 @@ class EngineWorker(DynamoEngine):
     async def generate(self, request: dict, context: Any) -> AsyncGenerator[dict, None]:
         engine = self.loop.engine
         try:
-            req = generation_request(request, engine.model_config.eos_token_ids, engine.max_model_len)
+            req = generation_request(request, engine.model_config.eos_token_ids, engine.max_model_len,
+                                     engine.list_loras())
         except InvalidRequestError as err:
             raise InvalidArgument(str(err)) from None
         req, export = await self.disagg.prepare(request, req)

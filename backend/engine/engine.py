@@ -163,7 +163,7 @@ class LLMEngine:
                 self.kv.blocks_for(len(prompt) + params.max_tokens) > quota.max_blocks:
             raise InvalidRequestError("max_tokens", f"prompt + max_tokens exceed tenant {tenant!r}'s KV quota")
         lora = self._lora(lora_name)
-        salt = self.cache_salt(tenant, cache_salt, lora)
+        salt = self.cache_salt(tenant, cache_salt)
         if params.n == 1:
             self._add_sequence(request_id, prompt, params, priority, tenant, salt, lora=lora)
             return
@@ -297,14 +297,13 @@ class LLMEngine:
         seq.error = error
         return self.finish(seq.request_id, FinishReason.ERROR)
 
-    def cache_salt(self, tenant: str | None, cache_salt: str | None, lora: LoraAdapter | None = None) -> str | None:
+    def cache_salt(self, tenant: str | None, cache_salt: str | None) -> str | None:
         """The salt of a request's block hashes: its own `cache_salt`, behind its tenant's name where the prefix
-        cache is scoped by tenant and behind its LoRA adapter's digest; None (shared by all) for none of them."""
+        cache is scoped by tenant; None (shared by all) for neither. (A LoRA adapter's digest enters them apart.)"""
         scoped = tenant if self.config.cache.prefix_cache_scope == "tenant" else None
-        parts = ([] if lora is None else [f"lora={lora.digest}"]) + ([] if scoped is None else [f"tenant={scoped}"])
-        if not parts:
+        if scoped is None:
             return cache_salt
-        return "\x00".join(parts + ([] if cache_salt is None else [cache_salt]))
+        return f"tenant={scoped}" + ("" if cache_salt is None else f"\x00{cache_salt}")
 
     def export_kv(self, token_ids: list[int], salt: str | None = None) -> ExportedKV:
         """A copy of the K/V of the longest cached run of `token_ids`' full blocks (after a prefill ran them), under

@@ -8,7 +8,8 @@ including it, so equal hashes mean equal prefixes. A block whose ref count drops
 hash and sits in the free queue; a later request with the same prefix takes it back (O(1) removal
 from the queue), and allocation evicts from the queue head, least recently freed first. A sequence's
 `cache_salt` (vLLM's) enters the first block's hash, so only sequences with the same salt share blocks: the
-engine salts by tenant (`prefix_cache_scope`) and by the request's own `cache_salt`.
+engine salts by tenant (`prefix_cache_scope`) and by the request's own `cache_salt`. A LoRA adapter's digest enters
+it too: two adapters, or an adapter and the base model, never share a block.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def chain_hash(parent: bytes, block_tokens: list[int]) -> bytes:
 
 
 def block_hashes(token_ids: list[int], block_size: int, known: list[bytes] = (),
-                 salt: str | None = None) -> list[bytes]:
+                 salt: str | None = None, lora: str | None = None) -> list[bytes]:
     """The chained hash of every full block of `token_ids`, extending the `known` leading ones; the first block's
-    parent is the salt's digest (none: b"")."""
+    parent is the salt's digest (none: b""), chained with the LoRA adapter's digest `lora` when given."""
     hashes = list(known)
     root = b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest()
+    if lora is not None:
+        root = hashlib.blake2b(root + lora.encode(), digest_size=16, person=b"lora").digest()
     for i in range(len(hashes), len(token_ids) // block_size):
         hashes.append(chain_hash(hashes[i - 1] if i else root, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
@@ -114,13 +117,13 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def register(self, block_id: int, block_hash: bytes, parent_hash: bytes | None,
-                 token_ids: list[int], salt: str | None = None) -> None:
+                 token_ids: list[int], salt: str | None = None, lora_name: str | None = None) -> None:
         block = self.blocks[block_id]
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
             if self.events is not None:
-                self.events.append(BlockStored(block_hash, parent_hash, tuple(token_ids), salt))
+                self.events.append(BlockStored(block_hash, parent_hash, tuple(token_ids), salt, lora_name))
 
 
 @dataclass
@@ -165,7 +168,8 @@ class KVCacheManager:
 
     def _update_hashes(self, seq: Sequence) -> None:
         if len(seq.block_hashes) < seq.num_tokens // self.block_size:
-            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.cache_salt)
+            seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.cache_salt,
+                                            seq.lora and seq.lora.digest)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of a sequence that has no blocks yet.
@@ -224,7 +228,7 @@ class KVCacheManager:
         bs, tokens = self.block_size, seq.token_ids
         for i in range(start, end):
             self.pool.register(seq.block_ids[i], seq.block_hashes[i], seq.block_hashes[i - 1] if i else None,
-                               tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+                               tokens[i * bs:(i + 1) * bs], seq.cache_salt, seq.lora and seq.lora.name)
         self._num_registered[seq.request_id] = max(start, end)
 
     def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> list[int]:

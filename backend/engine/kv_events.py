@@ -17,6 +17,7 @@ class BlockStored:
     parent_hash: bytes | None  # None: the first block of a sequence
     token_ids: tuple[int, ...]
     cache_salt: str | None = None  # the salt in the first block's hash (kv_cache.block_hashes)
+    lora_name: str | None = None  # the LoRA adapter whose digest is in it too
 
 
 @dataclass(frozen=True)

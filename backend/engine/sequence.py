@@ -41,7 +41,7 @@ class Sequence:
     priority: int = 0  # lower value = served first (vLLM's convention)
     tenant: str | None = None
     cache_salt: str | None = None  # in its first block's hash: only sequences with the same salt share KV blocks
-    lora: LoraAdapter | None = None  # the adapter its tokens run with (its digest is in cache_salt)
+    lora: LoraAdapter | None = None  # the adapter its tokens run with (its digest is in its block hashes)
     sample_of: str | None = None  # the request's id when it has n > 1 samples (this one's id is `<that>/<index>`)
     index: int = 0  # which sample of its request
     prefill_leader: "Sequence | None" = None  # the sample that computes the shared prompt first (n > 1)

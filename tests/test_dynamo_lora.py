@@ -1,0 +1,74 @@
+"""LoRA adapters through NVIDIA Dynamo: a real frontend and worker (.venv-dynamo); the worker's `--lora-modules` are
+registered as models of their own, so OpenAI's `model` names an adapter. Greedy text equals HF + peft's; the base
+model's equals HF's; the KV router sends an adapter's shared prefix to the worker that holds it (the workers' KV events
+carry the adapter's name), and the base model's same prompt shares nothing with it; an adapter the worker did not
+load is refused by the frontend, and the next request is served."""
+
+from __future__ import annotations
+
+import pytest
+from openai import NotFoundError, OpenAI
+
+from backend.serving.tokenizer import load_tokenizer
+from load_tests.lora_adapters import make_adapter
+from tests.dynamo_cluster import MODEL, post, start_cluster
+from tests.reference import peft_greedy
+
+PROMPT = "The capital of France is"
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("dynamo_loras")
+    return {"sql": str(make_adapter(tiny_model_dir, root / "sql", 8, seed=11)),
+            "chat": str(make_adapter(tiny_model_dir, root / "chat", 4, seed=12, targets=["q_proj", "v_proj"]))}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, adapters, tmp_path_factory):
+    modules = ",".join(f"{name}={path}" for name, path in adapters.items())
+    c = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("dynamo-lora-logs"), ("--lora-modules", modules),
+                      workers=2)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_the_model_field_names_an_adapter(client, tiny_model_dir, adapters):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = tokenizer(PROMPT)["input_ids"]
+    for model, adapter in ((MODEL, None), ("sql", adapters["sql"]), ("chat", adapters["chat"])):
+        [expected] = peft_greedy(tiny_model_dir, adapter, [ids], [12])
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        extra_body=IGNORE_EOS)
+        assert out.choices[0].text == tokenizer.decode(expected), model
+    assert {MODEL, "sql", "chat"} <= {m.id for m in client.models.list().data}
+
+
+def test_an_adapter_not_loaded_is_refused_and_the_next_request_served(client):
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=4)
+    assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=4, extra_body=IGNORE_EOS).usage \
+        .completion_tokens == 4
+
+
+def test_the_router_sends_an_adapters_shared_prefix_to_the_worker_that_holds_it(cluster):
+    prefix = " ".join(f"v{i % 11}" for i in range(200))  # ~200 tokens, 12 blocks
+
+    def ask(model: str, turn: int) -> tuple[int, float]:
+        code, body = post(cluster, "/v1/completions", {"model": model, "prompt": f"{prefix} question {turn}",
+                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
+        assert code == 200, body
+        usage = body["usage"]
+        return (body["nvext"]["worker_id"]["decode_worker_id"],
+                usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
+
+    served = [ask("sql", turn) for turn in range(4)]
+    assert len({w for w, _ in served}) == 1, served
+    assert served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:]), served
+    assert ask(MODEL, 9)[1] == 0 and ask("chat", 9)[1] == 0  # the base model and another adapter share nothing
