@@ -2,9 +2,15 @@
 registered as models of their own, so OpenAI's `model` names an adapter. Greedy text equals HF + peft's; the base
 model's equals HF's; the KV router sends an adapter's shared prefix to the worker that holds it (the workers' KV events
 carry the adapter's name), and the base model's same prompt shares nothing with it; an adapter the worker did not
-load is refused by the frontend, and the next request is served."""
+load is refused by the frontend, and the next request is served; an adapter loaded at run time (POST
+/engine/update/load_lora on the worker's system port, with /v1/loras' body) is served once listed, and is gone once
+unloaded."""
 
 from __future__ import annotations
+
+import json
+import time
+import urllib.request
 
 import pytest
 from openai import NotFoundError, OpenAI
@@ -72,3 +78,33 @@ def test_the_router_sends_an_adapters_shared_prefix_to_the_worker_that_holds_it(
     assert len({w for w, _ in served}) == 1, served
     assert served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:]), served
     assert ask(MODEL, 9)[1] == 0 and ask("chat", 9)[1] == 0  # the base model and another adapter share nothing
+
+
+def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, client, tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    folder = make_adapter(tiny_model_dir, tmp_path / "late", 16, seed=13)
+    system = f"http://127.0.0.1:{int(cluster.url.rsplit(':', 1)[1]) + 1}/engine/update"  # worker 0's system port
+
+    def update(key: str, body: dict) -> dict:
+        request = urllib.request.Request(f"{system}/{key}", json.dumps(body).encode(),
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.load(r)
+
+    def listed(present: bool) -> None:
+        deadline = time.monotonic() + 30
+        while ("late" in {m.id for m in client.models.list().data}) != present:
+            assert time.monotonic() < deadline, f"/v1/models: 'late' still {'absent' if present else 'listed'}"
+            time.sleep(0.2)
+
+    bad = update("load_lora", {"lora_name": "late", "source": {"uri": f"file://{tmp_path}"}})
+    assert bad["status"] == "error" and "no adapter_config.json" in bad["message"], bad
+    assert update("load_lora", {"lora_name": "late", "source": {"uri": f"file://{folder}"}})["status"] == "success"
+    assert "late" in update("list_loras", {})["loras"]
+    listed(True)
+    [expected] = peft_greedy(tiny_model_dir, folder, [tokenizer(PROMPT)["input_ids"]], [12])
+    out = client.completions.create(model="late", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
+    assert out.choices[0].text == tokenizer.decode(expected)
+    assert update("unload_lora", {"lora_name": "late"})["status"] == "success"
+    listed(False)
+    assert "unknown LoRA adapter 'late'" in update("unload_lora", {"lora_name": "late"})["message"]

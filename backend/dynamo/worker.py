@@ -43,6 +43,7 @@ from backend.serving.settings import engine_config_from_settings
 from backend.serving.tokenizer import load_tokenizer
 
 LOG = logging.getLogger(__name__)
+LORA_UPDATES = ("load_lora", "unload_lora", "list_loras")  # engine_update's keys: POST /engine/update/<key>
 MODES = {"both": DisaggregationMode.AGGREGATED, "prefill": DisaggregationMode.PREFILL,
          "decode": DisaggregationMode.DECODE}
 
@@ -55,6 +56,7 @@ class EngineWorker(DynamoEngine):
         self.feed = RouterFeed(ComponentSnapshot)
         self.loop: EngineLoop | None = None
         self._watchdog: asyncio.Task | None = None
+        self._endpoint: Any = None  # the serving endpoint (on_endpoint_ready), where LoRA adapters register
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[EngineWorker, WorkerConfig]:
@@ -91,19 +93,54 @@ class EngineWorker(DynamoEngine):
     async def on_endpoint_ready(self, endpoint: Any) -> None:
         """Each LoRA adapter (`lora_modules`) registered as a model of its own on this endpoint, as dynamo.vllm does:
         OpenAI's `model` names it, and the request arrives with that name (a model alias would arrive renamed)."""
+        self._endpoint = endpoint
+        for name in sorted(self.loop.engine.list_loras()):
+            await self._register_lora(name)
+
+    async def _register_lora(self, name: str) -> None:
         from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
+        if self.disagg.role != "both":
+            raise InvalidRequestError("lora_name", "LoRA adapters are served by aggregated workers (--role both) for "
+                                                   "now")
         engine = self.loop.engine
-        if engine.list_loras() and self.disagg.role != "both":
-            raise ValueError("lora_modules: adapters are served by aggregated workers (--role both) for now")
-        for name in sorted(engine.list_loras()):
-            runtime = ModelRuntimeConfig()
-            runtime.context_length, runtime.total_kv_blocks = engine.max_model_len, engine.kv.num_blocks
-            await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, self.config.model,
-                                 kv_cache_block_size=self.config.cache.block_size, runtime_config=runtime,
-                                 user_data={"lora_adapter": True}, lora_name=name, base_model_path=self.config.model,
-                                 worker_type=WorkerType.Aggregated, ignore_weights=True)
-            LOG.info("LoRA adapter %r registered as a model", name)
+        runtime = ModelRuntimeConfig()
+        runtime.context_length, runtime.total_kv_blocks = engine.max_model_len, engine.kv.num_blocks
+        await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, self._endpoint,
+                             self.config.model, kv_cache_block_size=self.config.cache.block_size,
+                             runtime_config=runtime, user_data={"lora_adapter": True}, lora_name=name,
+                             base_model_path=self.config.model, worker_type=WorkerType.Aggregated, ignore_weights=True)
+        LOG.info("LoRA adapter %r registered as a model", name)
+
+    def supported_updates(self) -> set[str]:
+        return set(LORA_UPDATES)
+
+    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /engine/update/load_lora | unload_lora | list_loras on this worker's system port, with the body of
+        Dynamo's /v1/loras ({"lora_name": ..., "source": {"uri": "file:///path"}}): load an adapter (or replace one no
+        request uses) and register it as a model; unload one no request uses and unregister it; list them."""
+        from dynamo.llm import unregister_model
+
+        try:
+            if update == "list_loras":
+                loras = await asyncio.wrap_future(self.loop.call(lambda engine: engine.list_loras()))
+                return {"status": "success", "loras": loras, "count": len(loras)}
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise InvalidRequestError("lora_name", f"expected an adapter name, got {name!r}")
+            if update == "load_lora":
+                uri = str((body.get("source") or {}).get("uri") or "")
+                path = uri.removeprefix("file://")
+                if not path or "://" in path:
+                    raise InvalidRequestError("source.uri", f"a local folder (file:///path) is expected, got {uri!r}")
+                await asyncio.wrap_future(self.loop.call(lambda engine: engine.load_lora(name, path)))
+                await self._register_lora(name)
+            else:
+                await asyncio.wrap_future(self.loop.call(lambda engine: engine.unload_lora(name)))
+                await unregister_model(self._endpoint, lora_name=name)
+        except InvalidRequestError as err:
+            return {"status": "error", "message": str(err)}
+        return {"status": "success", "message": f"LoRA adapter {name!r} {update.split('_')[0]}ed", "lora_name": name}
 
     async def _stop_if_the_engine_dies(self) -> None:
         """A worker whose engine thread died must not stay registered: SIGTERM starts Dynamo's graceful

@@ -35,6 +35,7 @@ this one lost 12-17 % of its throughput to that, with 1.65 of 2 CPUs busy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -44,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.serving.detokenize import IncrementalDetokenizer
 from backend.engine.engine import EngineStats, LLMEngine, RequestOutput
@@ -148,6 +150,15 @@ class EngineLoop:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         self._inbox.put(("add", sub))
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop thread between steps (an engine is single-threaded: LLMEngine.load_lora, say);
+        its result or error comes in the future."""
+        if self.error is not None or self._stopping.is_set():
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
     def stop_request(self, client_id: str) -> None:
         """Abort every in-flight request with this client id (TensorRT-LLM's `stop`)."""
         self._inbox.put(("stop", client_id))
@@ -249,6 +260,12 @@ class EngineLoop:
                 self._abort(sub.engine_id)
         elif kind == "abort":  # its output could not be sent
             self._abort(payload)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as err:  # noqa: BLE001 - the caller's error
+                future.set_exception(err)
 
     def _abort(self, engine_id: str) -> None:
         """Abort once: a client's cancel, a `stop` and a failed send may all name the same request, and an
@@ -403,6 +420,8 @@ class EngineLoop:
                 break
             if kind == "add":
                 self._queue(functools.partial(_safe_fail, payload, err))
+            elif kind == "call":
+                payload[1].set_exception(err)
         for engine_id, sub in list(self._active.items()):
             del self._active[engine_id]
             self._queue(functools.partial(_safe_fail, sub, err))
