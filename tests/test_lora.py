@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.engine.errors import InvalidRequestError
@@ -79,6 +80,35 @@ def test_a_mixed_batch_equals_hf_peft(tiny_model_dir, adapters, prompts, expecte
         assert out == expected[name][prompts.index(prompt)], (name, len(prompt))
     stats = engine.stats()
     assert stats.lora_resident == 3 and dict(stats.lora_requests) == {name: len(prompts) for name in adapters}
+
+
+def test_an_adapter_of_fused_qkv_and_gate_up_targets(tiny_model_dir, prompts, tmp_path):
+    """An adapter trained on fused modules (Phi-3's qkv_proj / gate_up_proj: one A, B over the fused output) equals the
+    same delta written as separate q/k/v and gate/up modules sharing that A, which HF + peft runs."""
+    from safetensors.torch import load_file, save_file
+
+    separate = make_adapter(tiny_model_dir, tmp_path / "separate", 8, seed=5,
+                            targets=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    state = load_file(str(separate / "adapter_model.safetensors"))
+    fused_state = {}
+    for layer in range(2):
+        for kind, fused, names in (("self_attn", "qkv_proj", "qkv"), ("mlp", "gate_up_proj", ("gate", "up"))):
+            keys = [f"base_model.model.model.layers.{layer}.{kind}.{n}_proj.lora_" for n in names]
+            for key in keys:  # one A for all the fused parts
+                state[key + "A.weight"] = state[keys[0] + "A.weight"].clone()
+            prefix = f"base_model.model.model.layers.{layer}.{kind}.{fused}.lora_"
+            fused_state[prefix + "A.weight"] = state[keys[0] + "A.weight"]
+            fused_state[prefix + "B.weight"] = torch.cat([state[key + "B.weight"] for key in keys])
+    save_file(state, str(separate / "adapter_model.safetensors"))
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(fused_state, str(fused / "adapter_model.safetensors"))
+    config = json.loads((separate / "adapter_config.json").read_text())
+    (fused / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["qkv_proj", "gate_up_proj"]}))
+    expected = peft_greedy(tiny_model_dir, separate, prompts, [MAX_TOKENS] * len(prompts))
+    assert expected != peft_greedy(tiny_model_dir, None, prompts, [MAX_TOKENS] * len(prompts))
+    engine = engine_with(tiny_model_dir, {"fused": str(fused)})
+    assert run_all(engine, [("fused", p) for p in prompts]) == expected
 
 
 def test_a_request_alone_equals_itself_in_the_mixed_batch(tiny_model_dir, adapters, prompts, expected):

@@ -27,9 +27,11 @@ from safetensors.torch import load_file
 
 from backend.engine.models.llama import ModelConfig
 
-# PEFT's target module -> (the fused Linear of models/llama.py that holds it, its part of that Linear's output)
+# PEFT's target module -> (the fused Linear of models/llama.py that holds it, its part of that Linear's output; None:
+# all of it, an adapter trained on a fused module, as Phi-3's qkv_proj / gate_up_proj)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+           "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
 WEIGHTS_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -102,37 +104,37 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dty
     if not pairs:
         raise refuse(f"{WEIGHTS_FILE} holds no LoRA weights")
     parts = _parts(cfg)
-    per_layer: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = [{} for _ in range(cfg.num_layers)]
+    # per layer: fused Linear -> (first and last output row, A, B scaled) of each target in it
+    per_layer: list[dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = [{} for _ in range(cfg.num_layers)]
     top_rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise refuse(f"layer {layer} {module}: lora_A and lora_B are both needed")
         fused, part = TARGETS[module]
         in_features, outs = parts[fused]
+        start = 0 if part is None else sum(outs[:part])
+        end = sum(outs) if part is None else start + outs[part]
         a, b = ab["A"], ab["B"]
         rank = a.shape[0]
-        if a.shape != (rank, in_features) or b.shape != (outs[part], rank):
+        if a.shape != (rank, in_features) or b.shape != (end - start, rank):
             raise refuse(f"layer {layer} {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the "
-                         f"model ([r, {in_features}] / [{outs[part]}, r])")
+                         f"model ([r, {in_features}] / [{end - start}, r])")
         if not 1 <= rank <= max_rank:
             raise refuse(f"rank {rank} (layer {layer} {module}) is over max_lora_rank {max_rank}")
         top_rank = max(top_rank, rank)
         scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
-        per_layer[layer].setdefault(fused, []).append((part, a, b * scaling))
+        per_layer[layer].setdefault(fused, []).append((start, end, a, b * scaling))
 
     layers = []
     for targets in per_layer:
         fused_weights = {}
         for fused, pieces in targets.items():
-            outs = parts[fused][1]
-            offsets = np.concatenate([[0], np.cumsum(outs)])
-            total = sum(a.shape[0] for _, a, _ in pieces)
-            b_full = torch.zeros(offsets[-1], total, dtype=torch.float32)
+            b_full = torch.zeros(sum(parts[fused][1]), sum(a.shape[0] for _, _, a, _ in pieces), dtype=torch.float32)
             col = 0
-            for part, a, b in pieces:
-                b_full[offsets[part]:offsets[part + 1], col:col + a.shape[0]] = b
+            for start, end, a, b in pieces:
+                b_full[start:end, col:col + a.shape[0]] = b
                 col += a.shape[0]
-            a_full = torch.cat([a for _, a, _ in pieces])
+            a_full = torch.cat([a for _, _, a, _ in pieces])
             fused_weights[fused] = LoraWeights(a_full.T.to(dtype).contiguous(), b_full.T.to(dtype).contiguous())
         layers.append(fused_weights)
     digest = hashlib.sha256(config_bytes + b"\x00" + weights_bytes).hexdigest()
