@@ -58,6 +58,7 @@ OUT_OF_RANGE = {
     "top_logprobs": (-1, 21),  # in [0, 20]
     "prompt_logprobs": (-1, 21),  # in [0, 20]
     "stream_interval": (-1, 257),  # in [0, 256]
+    "lora_task_id": (0, 7),  # the test server loads no adapter: no task id names one
 }
 # ... and the numeric inputs that take any value of their datatype (finite, for FP32).
 ANY_VALUE = {"pad_id", "priority", "seed", "presence_penalty", "frequency_penalty"}
@@ -69,6 +70,7 @@ ABSURD = {
     "stop_words": {"100k-words": ["w"] * 100_000, "long-word": ["w" * (MAX_CHARS["stop_words"] + 1)]},
     "bad_words": {"100k-words": ["w"] * 100_000, "long-word": ["w" * (MAX_CHARS["bad_words"] + 1)]},
     "tenant": {"long": "t" * (MAX_CHARS["tenant"] + 1)},
+    "lora_name": {"unknown": "nope", "long": "l" * (MAX_CHARS["lora_name"] + 1)},
     "guided_decoding_guide": {"long": "a" * (MAX_CHARS["guided_decoding_guide"] + 1)},
 }
 ODD_BUT_VALID = (

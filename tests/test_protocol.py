@@ -227,6 +227,18 @@ def test_the_prompt_is_input_ids_or_text_input():
             parse_request(inputs, CharTokenizer(), (2,))
 
 
+def test_an_adapter_by_name_or_by_task_id_not_both():
+    rows = {t.name: t for t in inputs_of(LLM)}
+    name, task = _array(rows["lora_name"], "sql"), _array(rows["lora_task_id"], 1)
+    ids = _array(rows["input_ids"], [5, 6])
+    assert parse_request({"input_ids": ids, "lora_name": name}, CharTokenizer(), (2,)).lora_name == "sql"
+    assert parse_request({"input_ids": ids, "lora_task_id": task}, CharTokenizer(), (2,)).lora_task_id == 1
+    assert parse_request({"input_ids": ids, "lora_name": _array(rows["lora_name"], "")}, CharTokenizer(),
+                         (2,)).lora_name is None  # empty: the base model
+    with pytest.raises(InvalidRequestError, match="^lora_name or lora_task_id: give one of them"):
+        parse_request({"input_ids": ids, "lora_name": name, "lora_task_id": task}, CharTokenizer(), (2,))
+
+
 def test_absent_inputs_take_the_dataclass_defaults():
     req = _parse()
     defaults = SamplingParams()
