@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo aiperf prometheus-env
+.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo aiperf prometheus-env cluster-env
 
 $(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,12 +20,17 @@ venv: $(STAMP)
 model: venv
 	$(BIN)/python -m backend.serving.model_store
 
-test: model dynamo-venv prometheus-env
+test: model dynamo-venv prometheus-env cluster-env
 	$(BIN)/python -m pytest -q
 
 # Debian's prometheus (tests/test_dashboard.py scrapes a test server with it); apt-get, as root, when missing
 prometheus-env:
 	bash scripts/prometheus_env.sh
+
+# Debian's etcd-server and nats-server (Dynamo's discovery and event planes: serve-dynamo DISCOVERY=etcd, and the
+# test that runs a cluster on them); apt-get, as root, when missing
+cluster-env:
+	bash scripts/cluster_env.sh
 
 test-slow: model
 	$(BIN)/python -m pytest -q -m slow
@@ -41,16 +46,20 @@ serve: model
 # and WORKERS engine workers on this host, or PREFILL_WORKERS=1 DECODE_WORKERS=1 (disaggregated: the prompt's
 # KV blocks move from the prefill to the decode worker; CONDITIONAL_DISAGG='{"policy": "isl_bounding"}' keeps
 # mostly-cached turns on the decode worker). Engine settings for every worker: WORKER_ARGS="--max-num-seqs 32".
+# DISCOVERY=etcd: etcd discovery and NATS JetStream events (those ETCD_ENDPOINTS / NATS_SERVER name, else started on
+# this host), as a cluster of several hosts runs them; file (the default): one host, neither.
 WORKERS ?= 2
 PREFILL_WORKERS ?= 0
 DECODE_WORKERS ?= 0
 CONDITIONAL_DISAGG ?=
 WORKER_ARGS ?=
+DISCOVERY ?= file
 dynamo-venv:
 	bash scripts/dynamo_env.sh
 
-serve-dynamo: model dynamo-venv
+serve-dynamo: model dynamo-venv $(if $(filter etcd,$(DISCOVERY)),cluster-env)
 	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) --prefill-workers $(PREFILL_WORKERS) \
+		--discovery $(DISCOVERY) \
 		--decode-workers $(DECODE_WORKERS) $(if $(CONDITIONAL_DISAGG),--conditional-disagg '$(CONDITIONAL_DISAGG)') \
 		-- $(WORKER_ARGS)
 

@@ -1,6 +1,8 @@
 """`make serve-dynamo`: Dynamo's frontend (OpenAI API, KV-aware router) and N engine workers on one host.
 
-File discovery in a fresh folder, no etcd or NATS; every plane on 127.0.0.1. The model folder is
+Discovery `file` (the default): a fresh folder, no etcd or NATS, KV events over ZMQ. Discovery `etcd`: Dynamo's
+cluster planes, etcd for discovery and NATS JetStream for KV events and load (control_plane.py: the ones
+`ETCD_ENDPOINTS` / `NATS_SERVER` name, else started here). Every plane on 127.0.0.1. The model folder is
 prepared once, before the workers start. Each worker gets an equal share of the CPU's threads. The
 launcher prints when the endpoint is ready, says which worker died if one does (the frontend drops a
 worker whose discovery entry goes with it and routes to the others), and stops everything on Ctrl-C.
@@ -26,9 +28,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.dynamo.control_plane import Planes, start_planes
 from backend.serving.model_store import MODEL_NAME, resolve_model_dir
 
 ROUTER_MODES = ("kv", "round-robin", "random")
+DISCOVERY = ("file", "etcd")
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Cluster:
     workers: list[subprocess.Popen]
     log_dir: Path  # frontend.log, worker0.log, ...
     url: str
+    planes: Planes | None = None  # discovery etcd: etcd and NATS (stopped with the cluster when started for it)
 
     def stop(self, grace: float = 10.0) -> None:
         procs = [*self.workers, self.frontend]
@@ -52,6 +57,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.planes is not None:
+            self.planes.stop()
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -64,7 +71,7 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def environment(discovery_dir: Path, threads: int) -> dict[str, str]:
+def environment(discovery_dir: Path, threads: int, planes: Planes | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(discovery_dir),
@@ -74,22 +81,28 @@ def environment(discovery_dir: Path, threads: int) -> dict[str, str]:
         "DYN_SELF_HOST_METADATA": "0",  # one host: the model card is read from the shared discovery folder
         "OMP_NUM_THREADS": str(threads),
     })
+    if planes is not None:
+        del env["DYN_FILE_KV"]
+        env.update(planes.env())
     return env
 
 
 def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", model: str = "default",
           served_model_name: str = MODEL_NAME, worker_args: tuple[str, ...] = (), log_dir: Path | None = None,
           threads_per_worker: int | None = None, python: str = sys.executable, prefill_workers: int = 0,
-          decode_workers: int = 0, conditional_disagg: str | None = None) -> Cluster:
+          decode_workers: int = 0, conditional_disagg: str | None = None, discovery: str = "file") -> Cluster:
     """Start the frontend and `workers` workers (plus `prefill_workers` and `decode_workers` for the
     disaggregated layout); returns once the model is served by all of them. `conditional_disagg` (JSON for
     Dynamo's `--router-conditional-disagg-config`) turns on the router's rule for keeping a request on the
     decode worker: with policy `isl_bounding`, when its uncached tokens on that worker are fewer than
     `eff_isl_threshold` (default 2048) AND under `eff_isl_ratio_threshold` (0.7) of the prompt.
 
+    `discovery`: `file` (one host, no etcd or NATS) or `etcd` (etcd and NATS JetStream: control_plane.py).
     `python` is .venv-dynamo's interpreter (the launcher itself imports nothing from Dynamo, so tests
     start a cluster from the main venv). Worker i serves its metrics on 127.0.0.1:`http_port + 1 + i`.
     """
+    if discovery not in DISCOVERY:
+        raise ValueError(f"discovery: expected one of {DISCOVERY}, got {discovery!r}")
     if router_mode not in ROUTER_MODES:
         raise ValueError(f"router_mode: expected one of {ROUTER_MODES}, got {router_mode!r}")
     if (prefill_workers > 0) != (decode_workers > 0):
@@ -100,8 +113,10 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     model_dir = resolve_model_dir(model)  # once, before N workers would each prepare it
     run_dir = Path(tempfile.mkdtemp(prefix="serve-dynamo-"))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
-    env = environment(run_dir / "discovery", threads)
     log_dir = log_dir or run_dir
+    planes = start_planes(run_dir / "planes") if discovery == "etcd" else None
+    env = environment(run_dir / "discovery", threads, planes)
+    planes_args = ["--discovery-backend", discovery] + (["--event-plane", "nats"] if planes else [])
 
     def spawn(name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
         return subprocess.Popen([python, "-m", *argv], env={**env, **extra_env},
@@ -112,13 +127,13 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     conditional = ["--router-conditional-disagg", "--router-conditional-disagg-config", conditional_disagg] \
         if conditional_disagg else []
     frontend = spawn("frontend", ["dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-                                  "--router-mode", router_mode, "--discovery-backend", "file",
+                                  "--router-mode", router_mode, "--discovery-backend", discovery,
                                   "--migration-limit", "3", *conditional])
     procs = [spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role,
-                                  "--served-model-name", served_model_name, *worker_args],
+                                  "--served-model-name", served_model_name, *planes_args, *worker_args],
                    DYN_SYSTEM_PORT=str(http_port + 1 + i))
              for i, role in enumerate(roles)]
-    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}")
+    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", planes)
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
@@ -169,6 +184,9 @@ def main() -> None:
                         'a request mostly cached on its decode worker is prefilled there (docs/dynamo.md)')
     p.add_argument("--http-port", type=int, default=8080)
     p.add_argument("--router-mode", default="kv", choices=ROUTER_MODES)
+    p.add_argument("--discovery", default="file", choices=DISCOVERY,
+                   help="file: one host, no etcd or NATS; etcd: etcd discovery and NATS JetStream events, those "
+                        "ETCD_ENDPOINTS / NATS_SERVER name or started here (docs/dynamo.md)")
     p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
     p.add_argument("--served-model-name", default=MODEL_NAME)
     args = p.parse_args(argv)
@@ -182,7 +200,8 @@ def main() -> None:
     try:
         cluster = start(args.workers, args.http_port, args.router_mode, args.model, args.served_model_name,
                         tuple(worker_args), prefill_workers=args.prefill_workers,
-                        decode_workers=args.decode_workers, conditional_disagg=args.conditional_disagg)
+                        decode_workers=args.decode_workers, conditional_disagg=args.conditional_disagg,
+                        discovery=args.discovery)
     except (RuntimeError, ValueError, OSError) as err:  # port in use, bad model folder, a process died, timeout
         sys.exit(f"serve-dynamo: {err}")
     n = len(cluster.workers)

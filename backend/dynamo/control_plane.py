@@ -1,0 +1,95 @@
+"""Dynamo's control and event planes as a cluster runs them: etcd (discovery: workers register, the frontend watches)
+and NATS with JetStream (KV events and load to every router), Debian's `etcd-server` and `nats-server`
+(scripts/cluster_env.sh installs them).
+
+`planes_env` gives the processes of a cluster the variables Dynamo reads (`ETCD_ENDPOINTS`, `NATS_SERVER`). Where the
+environment names none, `start_planes` starts both here on loopback, each with its own data folder, for a cluster
+on this host; several hosts point every process at the same endpoints instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Planes:
+    """The etcd and NATS endpoints a cluster uses, and the processes when they were started here."""
+
+    etcd: str  # e.g. http://127.0.0.1:2379
+    nats: str  # e.g. nats://127.0.0.1:4222
+    procs: tuple[subprocess.Popen, ...] = ()
+
+    def env(self) -> dict[str, str]:
+        return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": self.etcd, "NATS_SERVER": self.nats,
+                "DYN_EVENT_PLANE": "nats"}
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, name: str, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ({log}) ends:\n"
+                               f"{log.read_text()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f} s (log {log})")
+
+
+def start_planes(run_dir: Path) -> Planes:
+    """etcd and NATS (JetStream) on loopback ports, data and logs under `run_dir`; or, when the environment names
+    them (`ETCD_ENDPOINTS` and `NATS_SERVER`), those."""
+    if os.environ.get("ETCD_ENDPOINTS") and os.environ.get("NATS_SERVER"):
+        return Planes(os.environ["ETCD_ENDPOINTS"], os.environ["NATS_SERVER"])
+    missing = [b for b in ("etcd", "nats-server") if shutil.which(b) is None]
+    if missing:
+        raise RuntimeError(f"discovery etcd: {' and '.join(missing)} not found (bash scripts/cluster_env.sh installs "
+                           f"Debian's etcd-server and nats-server)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    client, peer, nats = _free_port(), _free_port(), _free_port()
+    procs = []
+
+    def spawn(name: str, argv: list[str], port: int) -> None:
+        log = run_dir / f"{name}.log"
+        proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        _wait_port(port, proc, name, log)
+
+    try:
+        spawn("etcd", ["etcd", "--data-dir", str(run_dir / "etcd-data"),
+                       "--listen-client-urls", f"http://127.0.0.1:{client}",
+                       "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                       "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                       "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                       "--initial-cluster", f"default=http://127.0.0.1:{peer}"], client)
+        spawn("nats", ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats), "-sd", str(run_dir / "jetstream")],
+              nats)
+    except BaseException:
+        Planes("", "", tuple(procs)).stop()
+        raise
+    return Planes(f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}", tuple(procs))
