@@ -30,7 +30,7 @@ def free_ports(n: int) -> int:
 def start_cluster(model_dir: Path, log_dir: Path, worker_args: tuple[str, ...] = (), **layout) -> launcher.Cluster:
     assert DYNAMO_PYTHON.exists(), "no .venv-dynamo: `make dynamo-venv` (make test builds it)"
     workers = layout.get("workers", 2) + layout.get("prefill_workers", 0) + layout.get("decode_workers", 0)
-    return launcher.start(http_port=free_ports(workers + 1), model=str(model_dir), served_model_name=MODEL,
+    return launcher.start(http_port=free_ports(workers + 3), model=str(model_dir), served_model_name=MODEL,  # 2 to join
                           worker_args=("--num-kv-blocks", "256", "--max-num-seqs", "8", *worker_args), log_dir=log_dir,
                           threads_per_worker=1, python=str(DYNAMO_PYTHON), **layout)
 

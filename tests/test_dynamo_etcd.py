@@ -1,13 +1,17 @@
 """Dynamo on its cluster planes: etcd for discovery and NATS JetStream for KV events and load (Debian's etcd-server
 and nats-server, started by backend/dynamo/control_plane.py), a real frontend and two real workers. Greedy text
-equals HF's; a shared prefix goes to the worker that holds it (the router learns it from KV events over NATS); the
-planes stop with the cluster."""
+equals HF's; a shared prefix goes to the worker that holds it (the router learns it from KV events over NATS); a
+worker started later joins through etcd and gets traffic; one stopped gracefully under load loses no stream, one
+killed under load has its streams finished by the others (Dynamo's migration) or ended with an error each, none
+hangs; the planes stop with the cluster."""
 
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
+from openai import OpenAI
 
 from backend.serving.tokenizer import load_tokenizer
 from tests.dynamo_cluster import MODEL, post, start_cluster
@@ -47,3 +51,62 @@ def test_the_router_learns_a_shared_prefix_over_nats(cluster):
                        usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]))
     assert len({w for w, _ in served}) == 1, served
     assert served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:]), served
+
+
+def worker_of(cluster, prompt: str) -> int:
+    code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                   "nvext": {"extra_fields": ["worker_id"]}})
+    assert code == 200, body
+    return body["nvext"]["worker_id"]["decode_worker_id"]
+
+
+def streams_under(cluster, action, n: int = 6, tokens: int = 40) -> list:
+    """`n` streaming completions of `tokens` tokens; `action()` once every stream has its first token. Each stream's
+    (token count, finish reason) or its exception."""
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    started, results = threading.Barrier(n + 1, timeout=120), [None] * n
+
+    def run(i: int) -> None:
+        count, reason, first = 0, None, True
+        try:
+            for chunk in client.completions.create(model=MODEL, prompt=f"stream {i} " * 8, max_tokens=tokens,
+                                                   stream=True, extra_body={"ignore_eos": True},
+                                                   stream_options={"include_usage": True}):
+                if chunk.choices and chunk.choices[0].text and first:
+                    first = False
+                    started.wait()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    reason = chunk.choices[0].finish_reason
+                if chunk.usage:
+                    count = chunk.usage.completion_tokens
+            results[i] = (count, reason)
+        except Exception as err:  # noqa: BLE001 - the test reads it
+            results[i] = err
+            if first:
+                started.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    started.wait()
+    action()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    return results
+
+
+def test_workers_join_and_leave_at_run_time(cluster):
+    before = {worker_of(cluster, f"probe {i} " * 4) for i in range(8)}
+    joined = cluster.add_worker()  # a third worker, through etcd
+    after = {worker_of(cluster, f"fresh {i} " * 4) for i in range(12)}
+    assert after - before, f"the joined worker{joined} got no request: {before} then {after}"
+
+    # graceful: SIGTERM unregisters the worker and lets its streams finish; every stream ends whole
+    results = streams_under(cluster, lambda: cluster.stop_worker(0, graceful=True))
+    assert results == [(40, "length")] * len(results), results
+    assert cluster.workers[0].returncode == 0
+    # killed: its streams move to the others (--migration-limit) or end with an error; none hangs or is cut silently
+    results = streams_under(cluster, lambda: cluster.stop_worker(joined, graceful=False))
+    assert all(r == (40, "length") or isinstance(r, Exception) for r in results), results
+    assert worker_of(cluster, "after the kill") is not None

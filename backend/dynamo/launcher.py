@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,22 @@ class Cluster:
     log_dir: Path  # frontend.log, worker0.log, ...
     url: str
     planes: Planes | None = None  # discovery etcd: etcd and NATS (stopped with the cluster when started for it)
+    spawn_worker: Callable[[str, int], subprocess.Popen] | None = None  # (role, index): one more worker
+    served_model_name: str = MODEL_NAME
+
+    def add_worker(self, role: str = "both", timeout: float = 300.0) -> int:
+        """Start one more worker, which joins through discovery; returns its index once the frontend routes to it."""
+        before = serving_workers(self.url)
+        self.workers.append(self.spawn_worker(role, len(self.workers)))
+        wait_ready(self, self.served_model_name, before + 1, timeout, watch=[len(self.workers) - 1])
+        return len(self.workers) - 1
+
+    def stop_worker(self, index: int, graceful: bool = True, timeout: float = 60.0) -> int:
+        """SIGTERM (Dynamo's graceful shutdown: the worker unregisters, then finishes its streams in flight) or
+        SIGKILL; returns its exit code."""
+        proc = self.workers[index]
+        proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+        return proc.wait(timeout)
 
     def stop(self, grace: float = 10.0) -> None:
         procs = [*self.workers, self.frontend]
@@ -129,11 +146,15 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     frontend = spawn("frontend", ["dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(http_port),
                                   "--router-mode", router_mode, "--discovery-backend", discovery,
                                   "--migration-limit", "3", *conditional])
-    procs = [spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role,
-                                  "--served-model-name", served_model_name, *planes_args, *worker_args],
-                   DYN_SYSTEM_PORT=str(http_port + 1 + i))
-             for i, role in enumerate(roles)]
-    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", planes)
+
+    def spawn_worker(role: str, i: int) -> subprocess.Popen:
+        return spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role,
+                                    "--served-model-name", served_model_name, *planes_args, *worker_args],
+                     DYN_SYSTEM_PORT=str(http_port + 1 + i))
+
+    procs = [spawn_worker(role, i) for i, role in enumerate(roles)]
+    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", planes, spawn_worker,
+                      served_model_name)
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
@@ -149,10 +170,14 @@ def serving_workers(url: str) -> int:
     return sum(1 for i in health.get("instances", []) if i.get("endpoint") == "generate")
 
 
-def wait_ready(cluster: Cluster, model: str, workers: int, timeout: float = 300.0) -> None:
+def wait_ready(cluster: Cluster, model: str, workers: int, timeout: float = 300.0,
+               watch: list[int] | None = None) -> None:
+    """Until the frontend serves `model` on `workers` workers; raises if the frontend or a watched worker (default:
+    all) exits first."""
     deadline = time.monotonic() + timeout
+    watched = range(len(cluster.workers)) if watch is None else watch
     while time.monotonic() < deadline:
-        for name, p in [("frontend", cluster.frontend), *((f"worker{i}", w) for i, w in enumerate(cluster.workers))]:
+        for name, p in [("frontend", cluster.frontend), *((f"worker{i}", cluster.workers[i]) for i in watched)]:
             if p.poll() is not None:
                 log = cluster.log_dir / f"{name}.log"
                 tail = log.read_text()[-3000:] if log.exists() else ""
