@@ -3,7 +3,7 @@
 An adapter adds (x A^T) B^T * scaling to the Linears it targets (PEFT's `lora_A`, `lora_B`, `lora_alpha / r`, or
 `/ sqrt(r)` with rsLoRA). The model fuses q/k/v and gate/up into one Linear each (models/llama.py), so an adapter's
 A matrices of a fused Linear are stacked ([sum of ranks, in]) and its B matrices placed block-diagonally ([out, sum of
-ranks], the scaling folded in): one pair of small GEMMs per Linear and adapter group of a step. A step's tokens are
+ranks], the scaling folded in): one pair of small GEMMs per Linear and adapter of a step. A step's tokens are
 grouped by adapter (`LoraBatch`); tokens without one pay nothing. The adapter's digest (its files' content, not its
 name) enters its requests' block hashes, so a reload under the same name never reuses stale KV (vLLM #42125).
 
@@ -49,7 +49,6 @@ class LoraAdapter:
     name: str
     path: str
     digest: str  # sha256 of its config and weights files
-    rank: int  # its largest rank
     layers: list[dict[str, LoraWeights]]  # per layer: fused Linear name -> its delta
 
 
@@ -106,7 +105,6 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dty
     parts = _parts(cfg)
     # per layer: fused Linear -> (first and last output row, A, B scaled) of each target in it
     per_layer: list[dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = [{} for _ in range(cfg.num_layers)]
-    top_rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise refuse(f"layer {layer} {module}: lora_A and lora_B are both needed")
@@ -121,7 +119,6 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dty
                          f"model ([r, {in_features}] / [{end - start}, r])")
         if not 1 <= rank <= max_rank:
             raise refuse(f"rank {rank} (layer {layer} {module}) is over max_lora_rank {max_rank}")
-        top_rank = max(top_rank, rank)
         scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
         per_layer[layer].setdefault(fused, []).append((start, end, a, b * scaling))
 
@@ -138,7 +135,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dty
             fused_weights[fused] = LoraWeights(a_full.T.to(dtype).contiguous(), b_full.T.to(dtype).contiguous())
         layers.append(fused_weights)
     digest = hashlib.sha256(config_bytes + b"\x00" + weights_bytes).hexdigest()
-    return LoraAdapter(name, str(folder), digest, top_rank, layers)
+    return LoraAdapter(name, str(folder), digest, layers)
 
 
 @dataclass
