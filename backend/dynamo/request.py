@@ -44,7 +44,7 @@ def guide(options: Mapping[str, Any]) -> Guide | None:
 
 def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...],
                        max_model_len: int, adapters: Collection[str] = ()) -> GenerationRequest:
-    """`adapters`: the LoRA adapters' names, which the worker registers as the model's aliases; a request whose
+    """`adapters`: the LoRA adapters' names, each registered by the worker as a model of its own; a request whose
     `model` is one of them runs with that adapter."""
     prompt = list(request.get("token_ids") or [])
     if not prompt:
