@@ -3,7 +3,8 @@ and nats-server, started by backend/dynamo/control_plane.py), a real frontend an
 equals HF's; a shared prefix goes to the worker that holds it (the router learns it from KV events over NATS); a
 worker started later joins through etcd and gets traffic; one stopped gracefully under load loses no stream, one
 killed under load has its streams finished by the others (Dynamo's migration) or ended with an error each, none
-hangs; the planes stop with the cluster."""
+hangs; NATS or etcd restarted under load loses no stream, and after NATS the router learns prefixes again; the planes
+stop with the cluster."""
 
 from __future__ import annotations
 
@@ -96,6 +97,22 @@ def streams_under(cluster, action, n: int = 6, tokens: int = 40) -> list:
     return results
 
 
+def test_nats_restarted_under_load_loses_no_stream_and_the_router_learns_again(cluster):
+    """The request plane is TCP: 4 streams running while NATS restarts all end whole; once it is back (same port, same
+    JetStream folder) the router learns a new shared prefix from KV events again."""
+    results = streams_under(cluster, lambda: cluster.planes.restart("nats"), n=4)
+    assert results == [(40, "length")] * 4, results
+    prefix = " ".join(f"r{i % 19}" for i in range(200))
+    served = []
+    for turn in range(4):
+        code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": f"{prefix} again {turn}",
+                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
+        assert code == 200, body
+        served.append((body["nvext"]["worker_id"]["decode_worker_id"],
+                       body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    assert len({w for w, _ in served}) == 1 and served[0][1] == 0 and all(c > 0 for _, c in served[1:]), served
+
+
 def test_workers_join_and_leave_at_run_time(cluster):
     before = {worker_of(cluster, f"probe {i} " * 4) for i in range(8)}
     joined = cluster.add_worker()  # a third worker, through etcd
@@ -114,3 +131,12 @@ def test_workers_join_and_leave_at_run_time(cluster):
     results = streams_under(cluster, lambda: cluster.stop_worker(joined, graceful=False))
     assert all(r == (40, "length") or isinstance(r, Exception) for r in results), results
     assert worker_of(cluster, "after the kill") is not None
+
+
+def test_etcd_restarted_under_load_loses_no_stream(cluster):
+    """Last (docs/dynamo.md): the frontend keeps routing to the workers it knows while etcd restarts and after, but
+    Dynamo 1.6.1's frontend stops watching for new instances after an etcd reconnect, so a worker joining later is not
+    routed to until the frontend restarts."""
+    results = streams_under(cluster, lambda: cluster.planes.restart("etcd"), n=4)
+    assert results == [(40, "length")] * 4, results
+    assert worker_of(cluster, "after etcd's restart") is not None

@@ -24,11 +24,24 @@ class Planes:
 
     etcd: str  # e.g. http://127.0.0.1:2379
     nats: str  # e.g. nats://127.0.0.1:4222
-    procs: tuple[subprocess.Popen, ...] = ()
+    procs: tuple[subprocess.Popen, ...] = ()  # etcd's, then NATS's
+    run_dir: Path | None = None  # their data and logs
 
     def env(self) -> dict[str, str]:
         return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": self.etcd, "NATS_SERVER": self.nats,
                 "DYN_EVENT_PLANE": "nats"}
+
+    def restart(self, name: str) -> None:
+        """Stop etcd or NATS (`name`) and start it again as it was, on its port with its data (what a cluster does
+        then: docs/dynamo.md, several hosts)."""
+        i = ("etcd", "nats").index(name)
+        old = self.procs[i]
+        old.terminate()
+        old.wait(10)
+        log = self.run_dir / f"{name}.log"
+        new = subprocess.Popen(old.args, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs = tuple(new if j == i else p for j, p in enumerate(self.procs))
+        _wait_port(int((self.etcd, self.nats)[i].rsplit(":", 1)[1]), new, name, log)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -92,4 +105,4 @@ def start_planes(run_dir: Path) -> Planes:
     except BaseException:
         Planes("", "", tuple(procs)).stop()
         raise
-    return Planes(f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}", tuple(procs))
+    return Planes(f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}", tuple(procs), run_dir)
