@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from backend.serving.tokenizer import load_tokenizer
 from load_tests.lora_adapters import make_adapter
@@ -83,11 +83,11 @@ def test_the_router_sends_an_adapters_shared_prefix_to_the_worker_that_holds_it(
 def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, client, tiny_model_dir, tmp_path):
     tokenizer = load_tokenizer(tiny_model_dir)
     folder = make_adapter(tiny_model_dir, tmp_path / "late", 16, seed=13)
-    system = f"http://127.0.0.1:{int(cluster.url.rsplit(':', 1)[1]) + 1}/engine/update"  # worker 0's system port
+    port = int(cluster.url.rsplit(":", 1)[1])
 
-    def update(key: str, body: dict) -> dict:
-        request = urllib.request.Request(f"{system}/{key}", json.dumps(body).encode(),
-                                         {"content-type": "application/json"})
+    def update(key: str, body: dict, worker: int = 0) -> dict:  # on a worker's system port
+        request = urllib.request.Request(f"http://127.0.0.1:{port + 1 + worker}/engine/update/{key}",
+                                         json.dumps(body).encode(), {"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             return json.load(r)
 
@@ -99,12 +99,21 @@ def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, client, tiny_model_
 
     bad = update("load_lora", {"lora_name": "late", "source": {"uri": f"file://{tmp_path}"}})
     assert bad["status"] == "error" and "no adapter_config.json" in bad["message"], bad
+    # on one worker only, the frontend may route it to the other, which refuses it by name rather than answer with
+    # the base model; then on every worker (as with Dynamo's /v1/loras)
     assert update("load_lora", {"lora_name": "late", "source": {"uri": f"file://{folder}"}})["status"] == "success"
-    assert "late" in update("list_loras", {})["loras"]
+    listed(True)
+    for _ in range(6):
+        try:
+            client.completions.create(model="late", prompt=PROMPT, max_tokens=2, extra_body=IGNORE_EOS)
+        except BadRequestError as err:
+            assert "'late' is neither" in str(err)
+    assert update("load_lora", {"lora_name": "late", "source": {"uri": f"file://{folder}"}}, 1)["status"] == "success"
+    assert "late" in update("list_loras", {})["loras"] and "late" in update("list_loras", {}, 1)["loras"]
     listed(True)
     [expected] = peft_greedy(tiny_model_dir, folder, [tokenizer(PROMPT)["input_ids"]], [12])
     out = client.completions.create(model="late", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
     assert out.choices[0].text == tokenizer.decode(expected)
-    assert update("unload_lora", {"lora_name": "late"})["status"] == "success"
+    assert all(update("unload_lora", {"lora_name": "late"}, w)["status"] == "success" for w in (0, 1))
     listed(False)
     assert "unknown LoRA adapter 'late'" in update("unload_lora", {"lora_name": "late"})["message"]

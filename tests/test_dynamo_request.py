@@ -17,6 +17,14 @@ def _request(sampling=None, stop=None, output=None, tokens=(5, 6, 7)):
             "output_options": output or {}}
 
 
+def test_the_model_names_the_base_model_or_a_loaded_adapter():
+    request = {**_request(), "model": "sql"}
+    assert generation_request(request, EOS, 100, adapters=("sql",), served="base").lora_name == "sql"
+    assert generation_request({**request, "model": "base"}, EOS, 100, ("sql",), "base").lora_name is None
+    with pytest.raises(InvalidRequestError, match="^model: 'sql' is neither 'base' nor a LoRA adapter loaded"):
+        generation_request(request, EOS, 100, adapters=(), served="base")
+
+
 def test_every_supported_option_reaches_sampling_params():
     req = generation_request(_request(
         sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3, "repetition_penalty": 1.1,

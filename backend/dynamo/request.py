@@ -43,9 +43,15 @@ def guide(options: Mapping[str, Any]) -> Guide | None:
 
 
 def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...],
-                       max_model_len: int, adapters: Collection[str] = ()) -> GenerationRequest:
+                       max_model_len: int, adapters: Collection[str] = (), served: str | None = None) -> GenerationRequest:
     """`adapters`: the LoRA adapters' names, each registered by the worker as a model of its own; a request whose
-    `model` is one of them runs with that adapter."""
+    `model` is one of them runs with that adapter, one whose `model` is neither that nor `served` (the base model's
+    name) is refused: the frontend may route an adapter loaded on another worker here, and the base model's output
+    in its place would be silently wrong."""
+    model = request.get("model")
+    if served is not None and model not in (None, served, *adapters):
+        raise InvalidRequestError("model", f"{model!r} is neither {served!r} nor a LoRA adapter loaded on this worker "
+                                           f"(loaded: {sorted(adapters)}; load an adapter on every worker)")
     prompt = list(request.get("token_ids") or [])
     if not prompt:
         raise InvalidRequestError("prompt", "the prompt is empty")
@@ -89,4 +95,4 @@ def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...
     return GenerationRequest(prompt_token_ids=prompt, params=SamplingParams(**params, ignore_eos=True),
                              stop_strings=[s for s in stop.get("stop") or () if s],
                              cache_salt=(request.get("routing") or {}).get("cache_salt") or None,  # nvext.cache_salt
-                             lora_name=request.get("model") if request.get("model") in adapters else None)
+                             lora_name=model if model in adapters else None)

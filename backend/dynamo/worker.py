@@ -170,7 +170,7 @@ class EngineWorker(DynamoEngine):
         engine = self.loop.engine
         try:
             req = generation_request(request, engine.model_config.eos_token_ids, engine.max_model_len,
-                                     engine.list_loras())
+                                     engine.list_loras(), self.served_model_name)
         except InvalidRequestError as err:
             raise InvalidArgument(str(err)) from None
         req, export = await self.disagg.prepare(request, req)
