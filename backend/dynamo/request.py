@@ -42,8 +42,8 @@ def guide(options: Mapping[str, Any]) -> Guide | None:
     return Guide(GUIDES[key], value if isinstance(value, str) and key != "choice" else json.dumps(value))
 
 
-def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...],
-                       max_model_len: int, adapters: Collection[str] = (), served: str | None = None) -> GenerationRequest:
+def generation_request(request: Mapping[str, Any], eos_token_ids: tuple[int, ...], max_model_len: int,
+                       adapters: Collection[str] = (), served: str | None = None) -> GenerationRequest:
     """`adapters`: the LoRA adapters' names, each registered by the worker as a model of its own; a request whose
     `model` is one of them runs with that adapter, one whose `model` is neither that nor `served` (the base model's
     name) is refused: the frontend may route an adapter loaded on another worker here, and the base model's output
