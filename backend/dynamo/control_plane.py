@@ -2,7 +2,7 @@
 and NATS with JetStream (KV events and load to every router), Debian's `etcd-server` and `nats-server`
 (scripts/cluster_env.sh installs them).
 
-`planes_env` gives the processes of a cluster the variables Dynamo reads (`ETCD_ENDPOINTS`, `NATS_SERVER`). Where the
+`Planes.env` gives the processes of a cluster the variables Dynamo reads (`ETCD_ENDPOINTS`, `NATS_SERVER`). Where the
 environment names none, `start_planes` starts both here on loopback, each with its own data folder, for a cluster
 on this host; several hosts point every process at the same endpoints instead.
 """

@@ -113,12 +113,17 @@ class EngineConfig:
         for key in ("max_loras", "max_lora_rank"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        if self.lora_modules and (self.runtime, self.device) != ("torch", "cpu"):
-            raise ValueError(f"lora_modules: adapters are served by runtime torch on the CPU, not {self.runtime} on "
-                             f"{self.device}")
+        if self.lora_modules and (why := self.lora_refusal()):
+            raise ValueError(f"lora_modules: {why}")
         if (self.scheduler.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: set it (a model folder with the model's tokenizer) exactly when "
                              f"speculative is draft (speculative: {self.scheduler.speculative})")
+
+    def lora_refusal(self) -> str | None:
+        """Why this engine cannot serve LoRA adapters (lora.py), None when it can: runtime torch on the CPU only."""
+        if (self.runtime, self.device) == ("torch", "cpu"):
+            return None
+        return f"adapters are served by runtime torch on the CPU, not {self.runtime} on {self.device}"
 
     @classmethod
     def create(cls, **settings: Any) -> EngineConfig:

@@ -216,9 +216,8 @@ class LLMEngine:
     def load_lora(self, name: str, path: str) -> None:
         """Load (or replace) the PEFT LoRA adapter at `path` as `name` (vLLM's /v1/load_lora_adapter). Raises
         InvalidRequestError naming what is wrong; replacing an adapter that unfinished requests use is refused."""
-        if (self.config.runtime, self.config.device) != ("torch", "cpu"):
-            raise InvalidRequestError("lora_path", f"adapters are served by runtime torch on the CPU, not "
-                                                   f"{self.config.runtime} on {self.config.device}")
+        if why := self.config.lora_refusal():
+            raise InvalidRequestError("lora_path", why)
         try:
             self.loras.register(name, path, self._loras_in_use())
         except ValueError as e:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from backend.engine.models.llama import ModelConfig
 
@@ -89,7 +89,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dty
     if not isinstance(alpha, (int, float)):
         raise refuse(f"lora_alpha: expected a number, got {alpha!r}")
     try:
-        state = load_file(str(folder / WEIGHTS_FILE))
+        state = load_safetensors(weights_bytes)  # the bytes the digest is taken of: the file is read once
     except Exception as e:  # a truncated or foreign file
         raise refuse(f"{WEIGHTS_FILE} does not load ({e})") from None
 
@@ -206,7 +206,7 @@ class LoraRegistry:
             raise ValueError(f"LoRA adapter name {name!r}: expected a non-empty name without outer spaces")
         if name in in_use:
             raise ValueError(f"LoRA adapter {name!r} is in use by unfinished requests; it can be replaced after them")
-        adapter = self._load(name, path, in_use - {name})
+        adapter = self._load(name, path, in_use)
         self.paths[name] = str(path)
         if name not in self.task_ids:
             self.task_ids[name], self._next_task_id = self._next_task_id, self._next_task_id + 1
@@ -226,11 +226,13 @@ class LoraRegistry:
         folder if it was evicted."""
         if name not in self.paths:
             raise KeyError(self._unknown(name))
-        self.requests[name] = self.requests.get(name, 0) + 1
         if name in self.resident:
             self.resident.move_to_end(name)
-            return self.resident[name]
-        return self._load(name, self.paths[name], in_use)
+            adapter = self.resident[name]
+        else:
+            adapter = self._load(name, self.paths[name], in_use)
+        self.requests[name] = self.requests.get(name, 0) + 1  # a request refused above does not count
+        return adapter
 
     def name_of_task(self, task_id: int) -> str:
         for name, tid in self.task_ids.items():
