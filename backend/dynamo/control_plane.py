@@ -9,11 +9,13 @@ on this host; several hosts point every process at the same endpoints instead.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,22 +28,45 @@ class Planes:
     nats: str  # e.g. nats://127.0.0.1:4222
     procs: tuple[subprocess.Popen, ...] = ()  # etcd's, then NATS's
     run_dir: Path | None = None  # their data and logs
+    nats_monitor: str = ""  # NATS's monitoring endpoint (/connz, /subsz) when started here
 
     def env(self) -> dict[str, str]:
         return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": self.etcd, "NATS_SERVER": self.nats,
                 "DYN_EVENT_PLANE": "nats"}
 
-    def restart(self, name: str) -> None:
+    def restart(self, name: str, timeout: float = 60.0) -> float:
         """Stop etcd or NATS (`name`) and start it again as it was, on its port with its data (what a cluster does
-        then: docs/dynamo.md, several hosts)."""
+        then: docs/dynamo.md, several hosts). For NATS, returns once every client is connected and subscribed again
+        as before (the frontend's and workers' NATS clients reconnect with a backoff of their own: KV events sent
+        before then are lost); the seconds from the restart to then."""
         i = ("etcd", "nats").index(name)
+        before = self.nats_clients() if name == "nats" else None
         old = self.procs[i]
         old.terminate()
         old.wait(10)
+        started = time.monotonic()
         log = self.run_dir / f"{name}.log"
         new = subprocess.Popen(old.args, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
         self.procs = tuple(new if j == i else p for j, p in enumerate(self.procs))
         _wait_port(int((self.etcd, self.nats)[i].rsplit(":", 1)[1]), new, name, log)
+        now = (0, 0)
+        while before is not None and not (now[0] >= before[0] and now[1] >= before[1]):
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"NATS clients did not reconnect within {timeout:.0f} s: (connections, "
+                                   f"subscriptions) {now}, before the restart {before}")
+            time.sleep(0.1)
+            try:
+                now = self.nats_clients()
+            except OSError:  # its monitoring port not listening yet
+                pass
+        return time.monotonic() - started
+
+    def nats_clients(self) -> tuple[int, int]:
+        """NATS's (connections, subscriptions), from its monitoring endpoint."""
+        with urllib.request.urlopen(f"{self.nats_monitor}/connz", timeout=5) as r:
+            connections = json.load(r)["num_connections"]
+        with urllib.request.urlopen(f"{self.nats_monitor}/subsz", timeout=5) as r:
+            return connections, json.load(r)["num_subscriptions"]
 
     def stop(self) -> None:
         for p in self.procs:
@@ -84,7 +109,7 @@ def start_planes(run_dir: Path) -> Planes:
         raise RuntimeError(f"discovery etcd: {' and '.join(missing)} not found (bash scripts/cluster_env.sh installs "
                            f"Debian's etcd-server and nats-server)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    client, peer, nats = _free_port(), _free_port(), _free_port()
+    client, peer, nats, monitor = _free_port(), _free_port(), _free_port(), _free_port()
     procs = []
 
     def spawn(name: str, argv: list[str], port: int) -> None:
@@ -100,9 +125,10 @@ def start_planes(run_dir: Path) -> Planes:
                        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                        "--initial-cluster", f"default=http://127.0.0.1:{peer}"], client)
-        spawn("nats", ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats), "-sd", str(run_dir / "jetstream")],
-              nats)
+        spawn("nats", ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats), "-m", str(monitor),
+                       "-sd", str(run_dir / "jetstream")], nats)
     except BaseException:
         Planes("", "", tuple(procs)).stop()
         raise
-    return Planes(f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}", tuple(procs), run_dir)
+    return Planes(f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}", tuple(procs), run_dir,
+                  f"http://127.0.0.1:{monitor}")
