@@ -4,13 +4,15 @@ prompts.
 Three prompt sets: chat turns whose answers copy their prompt (code editing, rewriting a paragraph), code- and
 list-like prompts that repeat themselves (what prompt lookup is for), and the benchmarks' seeded random prompts
 (which do not). Batch 1, 4 and 16 (batches of that many prompts, one after another, until every prompt of the set
-ran: batch 1 is each prompt alone in turn; 16 cycles through the set), 64 new tokens, EOS ignored; each
+ran: batch 1 is each prompt alone in turn; 16 cycles through the set), each editing answer up to its EOS, 64 new
+tokens with EOS ignored on the other sets; each
 configuration once warm, then timed; the output of every speculating run is checked equal to the plain run's.
 Prints tok/s, the ratio to no speculation and the acceptance rate; the CPU named.
 --draft-model adds `speculative: draft` runs (`self`: the model itself, with --draft-quantization int4 a 3x cheaper
 copy whose greedy picks mostly agree).
 
     python -m load_tests.bench_speculative [--model default|DIR] [--tokens 64] [--k 3,5] [--batches 1,4,16]
+        [--sets editing,repeating,random]
         [--draft-model self|DIR --draft-quantization none|int8|int4]
 """
 
@@ -35,17 +37,28 @@ CODE = ("def total(items):\n    x = 0\n    for item in items:\n        x += item
         "    return total(items) / len(items)\n")
 TEXT = ("The printing press was invented by Johannes Gutenberg around 1440. It made books cheaper and faster to "
         "produce, and within fifty years presses were working in more than two hundred cities across Europe.")
+CLASS = ("class Cart:\n    def __init__(self):\n        self.items = []\n\n    def add(self, item):\n"
+         "        self.items.append(item)\n\n    def remove(self, item):\n        self.items.remove(item)\n\n"
+         "    def count(self):\n        return len(self.items)\n")
+JSON = ('{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": ["Analytical Engine notes", '
+        '"first published algorithm"], "country": "England"}')
 # answers that copy their prompt (chat turns): code editing and rewriting, prompt lookup's case in vLLM's docs
 EDITING = [f"Rename the variable x to subtotal in this code and give the whole code back:\n{CODE}",
            f"Fix the spelling and give the whole paragraph back:\n{TEXT.replace('invented', 'invnted')}",
            f"Add a docstring to each function and give the whole code back:\n{CODE}",
-           f"Repeat this paragraph word for word, then say how many cities it names:\n{TEXT}"]
+           f"Repeat this paragraph word for word, then say how many cities it names:\n{TEXT}",
+           f"Rename the method count to size in this class and give the whole class back:\n{CLASS}",
+           f"Add type hints to this class and give the whole class back:\n{CLASS}",
+           f"Change the country to United Kingdom in this JSON and give the whole JSON back:\n{JSON}",
+           f"Put this paragraph in the past perfect where it fits and give it back:\n{TEXT}"]
+EDITING_TOKENS = 256  # the editing answers end where the model ends them (EOS): past it, a model writes what no
+# user reads (a 64-token cut with EOS ignored had half its tokens in an invented next chat turn)
 
 
-def timed(engine: LLMEngine, prompts: list[list[int]], batch: int, tokens: int) -> tuple[float, list[list[int]]]:
+def timed(engine: LLMEngine, prompts: list[list[int]], batch: int, params: SamplingParams
+          ) -> tuple[float, list[list[int]]]:
     """tok/s over batches of `batch` prompts run one after another: every prompt of a set at least once (batch 1 is
     each prompt alone in turn)."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine.generate(prompts[:2], params)  # warm
     cycled = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     start = time.perf_counter()
@@ -56,7 +69,8 @@ def timed(engine: LLMEngine, prompts: list[list[int]], batch: int, tokens: int) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64, help="new tokens (EOS ignored) on the repeating and random sets")
+    p.add_argument("--sets", default="editing,repeating,random")
     p.add_argument("--k", default="3,5", help="num_speculative_tokens values")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--draft-model", default=None, help="self (the model) or a folder: also run speculative: draft")
@@ -73,18 +87,21 @@ def main() -> None:
         variants += [(f"draft k={k}", dict(draft, num_speculative_tokens=k)) for k in ks]
     tokenizer = load_tokenizer(model)
     vocab, special = model_vocab(model)
-    sets = {"editing": [encode(tokenizer, t, True) for t in EDITING],
-            "repeating": [encode(tokenizer, t, False) for t in REPEATING],
-            "random": [r.prompt_token_ids for r in make_workload(16, vocab_size=vocab, seed=0, exclude_ids=special)]}
-    print(f"{cpu_summary()} | {model.name} | greedy, {args.tokens} new tokens | draft model: "
+    fixed = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    sets = {"editing": ([encode(tokenizer, t, True) for t in EDITING], SamplingParams(max_tokens=EDITING_TOKENS)),
+            "repeating": ([encode(tokenizer, t, False) for t in REPEATING], fixed),
+            "random": ([r.prompt_token_ids for r in make_workload(16, vocab_size=vocab, seed=0, exclude_ids=special)],
+                       fixed)}
+    sets = {name: sets[name] for name in args.sets.split(",")}
+    print(f"{cpu_summary()} | {model.name} | greedy, editing to EOS, else {args.tokens} new tokens | draft model: "
           f"{args.draft_model or 'none'} ({args.draft_quantization})")
-    for name, prompts in sets.items():
+    for name, (prompts, params) in sets.items():
         for batch in map(int, args.batches.split(",")):
-            base_tps, base_outs = timed(LLMEngine(EngineConfig.create(model=str(model))), prompts, batch, args.tokens)
+            base_tps, base_outs = timed(LLMEngine(EngineConfig.create(model=str(model))), prompts, batch, params)
             line = f"{name:9} batch {batch:2}: none {base_tps:7.1f} tok/s"
             for label, settings in variants:
                 engine = LLMEngine(EngineConfig.create(model=str(model), **settings))
-                tps, outs = timed(engine, prompts, batch, args.tokens)
+                tps, outs = timed(engine, prompts, batch, params)
                 assert outs == base_outs, f"{label} changed the output"
                 rate = engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)
                 line += f" | {label} {tps:7.1f} tok/s ({tps / base_tps:.2f}x, {100 * rate:.0f} % of drafts accepted)"
