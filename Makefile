@@ -47,19 +47,21 @@ serve: model
 # KV blocks move from the prefill to the decode worker; CONDITIONAL_DISAGG='{"policy": "isl_bounding"}' keeps
 # mostly-cached turns on the decode worker). Engine settings for every worker: WORKER_ARGS="--max-num-seqs 32".
 # DISCOVERY=etcd: etcd discovery and NATS JetStream events (those ETCD_ENDPOINTS / NATS_SERVER name, else started on
-# this host), as a cluster of several hosts runs them; file (the default): one host, neither.
+# this host), as a cluster of several hosts runs them; file (the default): one host, neither. HOSTS=1 (with
+# DISCOVERY=etcd; root): etcd + NATS, the frontend and each worker in a network namespace of its own, as hosts.
 WORKERS ?= 2
 PREFILL_WORKERS ?= 0
 DECODE_WORKERS ?= 0
 CONDITIONAL_DISAGG ?=
 WORKER_ARGS ?=
 DISCOVERY ?= file
+HOSTS ?=
 dynamo-venv:
 	bash scripts/dynamo_env.sh
 
 serve-dynamo: model dynamo-venv $(if $(filter etcd,$(DISCOVERY)),cluster-env)
 	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) --prefill-workers $(PREFILL_WORKERS) \
-		--discovery $(DISCOVERY) \
+		--discovery $(DISCOVERY) $(if $(HOSTS),--hosts) \
 		--decode-workers $(DECODE_WORKERS) $(if $(CONDITIONAL_DISAGG),--conditional-disagg '$(CONDITIONAL_DISAGG)') \
 		-- $(WORKER_ARGS)
 

@@ -44,10 +44,37 @@ def post(cluster: launcher.Cluster, path: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read() or b"{}")
 
 
+def worker_of(cluster: launcher.Cluster, prompt: str) -> int:
+    """The worker id the frontend routed a one-token completion of `prompt` to."""
+    code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                   "nvext": {"extra_fields": ["worker_id"]}})
+    assert code == 200, body
+    return body["nvext"]["worker_id"]["decode_worker_id"]
+
+
+def prefix_turns(cluster: launcher.Cluster, prefix: str, turns: int = 4) -> list[tuple[int, float]]:
+    """(worker id, cached share of the prompt) of `turns` completions of `prefix` with a different tail each, one
+    after another: a router that learned the prefix sends every turn after the first to the first's worker."""
+    served = []
+    for turn in range(turns):
+        code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": f"{prefix} turn {turn}",
+                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
+        assert code == 200, body
+        usage = body["usage"]
+        served.append((body["nvext"]["worker_id"]["decode_worker_id"],
+                       usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]))
+    return served
+
+
+def learned(served: list[tuple[int, float]]) -> bool:
+    """prefix_turns' turns all on one worker, the first with nothing cached and the others mostly cached."""
+    return len({w for w, _ in served}) == 1 and served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:])
+
+
 def worker_metric(cluster: launcher.Cluster, worker: int, name: str, labels: str = "") -> float:
     """The sum of a metric's samples on worker `worker` (whose metrics port follows the frontend's)."""
     port = int(cluster.url.rsplit(":", 1)[1]) + 1 + worker
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{cluster.worker_address(worker)}:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     family = re.sub(r"_(total|count|sum|bucket)$", "", name)
     assert re.search(rf"^# TYPE {family}(_total)? ", text, re.M), f"worker{worker} exports no {family}"

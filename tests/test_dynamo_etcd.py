@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from backend.serving.tokenizer import load_tokenizer
-from tests.dynamo_cluster import MODEL, post, start_cluster
+from tests.dynamo_cluster import MODEL, learned, post, prefix_turns, start_cluster, worker_of
 from tests.reference import hf_greedy
 
 PROMPT = "The capital of France is"
@@ -41,24 +41,8 @@ def test_served_on_etcd_and_nats(cluster, tiny_model_dir):
 
 
 def test_the_router_learns_a_shared_prefix_over_nats(cluster):
-    prefix = " ".join(f"u{i % 17}" for i in range(200))  # ~200 tokens, 12 blocks
-    served = []
-    for turn in range(4):
-        code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": f"{prefix} question {turn}",
-                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
-        assert code == 200, body
-        usage = body["usage"]
-        served.append((body["nvext"]["worker_id"]["decode_worker_id"],
-                       usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]))
-    assert len({w for w, _ in served}) == 1, served
-    assert served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:]), served
-
-
-def worker_of(cluster, prompt: str) -> int:
-    code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
-                                                   "nvext": {"extra_fields": ["worker_id"]}})
-    assert code == 200, body
-    return body["nvext"]["worker_id"]["decode_worker_id"]
+    served = prefix_turns(cluster, " ".join(f"u{i % 17}" for i in range(200)))  # ~480 tokens, 30 blocks
+    assert learned(served), served
 
 
 def streams_under(cluster, action, n: int = 6, tokens: int = 40) -> list:
@@ -99,20 +83,14 @@ def streams_under(cluster, action, n: int = 6, tokens: int = 40) -> list:
 
 def test_nats_restarted_under_load_loses_no_stream_and_the_router_learns_again(cluster):
     """The request plane is TCP: 4 streams running while NATS restarts all end whole; once it is back (same port, same
-    JetStream folder) and every client has reconnected (`restart` waits for NATS's count of connections and
-    subscriptions: KV events published before then are lost, and a prefix the router never heard of is routed by
-    load: most likely what a CI run met, where 3 of 4 turns landed on the holder by chance), the router learns a new shared prefix from KV events again."""
+    JetStream folder) and every client has reconnected, the router learns a new shared prefix from KV events again.
+    (`restart` waits for NATS's counts of connections and subscriptions: KV events published before the clients are
+    back are lost, and a prefix the router never heard of is routed by load. Most likely what one CI run met, where
+    3 of 4 turns landed on the holder by chance.)"""
     results = streams_under(cluster, lambda: cluster.planes.restart("nats"), n=4)
     assert results == [(40, "length")] * 4, results
-    prefix = " ".join(f"r{i % 19}" for i in range(200))
-    served = []
-    for turn in range(4):
-        code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": f"{prefix} again {turn}",
-                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
-        assert code == 200, body
-        served.append((body["nvext"]["worker_id"]["decode_worker_id"],
-                       body["usage"]["prompt_tokens_details"]["cached_tokens"]))
-    assert len({w for w, _ in served}) == 1 and served[0][1] == 0 and all(c > 0 for _, c in served[1:]), served
+    served = prefix_turns(cluster, " ".join(f"r{i % 19}" for i in range(200)))
+    assert learned(served), served
 
 
 def test_workers_join_and_leave_at_run_time(cluster):

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,8 @@ class Planes:
         log = self.run_dir / f"{name}.log"
         new = subprocess.Popen(old.args, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
         self.procs = tuple(new if j == i else p for j, p in enumerate(self.procs))
-        _wait_port(int((self.etcd, self.nats)[i].rsplit(":", 1)[1]), new, name, log)
+        host, port = (self.etcd, self.nats)[i].rsplit("/", 1)[1].rsplit(":", 1)
+        _wait_port(host, int(port), new, name, log)
         now = (0, 0)
         while before is not None and not (now[0] >= before[0] and now[1] >= before[1]):
             if time.monotonic() - started > timeout:
@@ -86,22 +88,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, name: str, log: Path, timeout: float = 30.0) -> None:
+def _wait_port(host: str, port: int, proc: subprocess.Popen, name: str, log: Path, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ({log}) ends:\n"
                                f"{log.read_text()[-2000:]}")
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.1)
-    raise TimeoutError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f} s (log {log})")
+    raise TimeoutError(f"{name} did not listen on {host}:{port} within {timeout:.0f} s (log {log})")
 
 
-def start_planes(run_dir: Path) -> Planes:
-    """etcd and NATS (JetStream) on loopback ports, data and logs under `run_dir`; or, when the environment names
-    them (`ETCD_ENDPOINTS` and `NATS_SERVER`), those."""
+def start_planes(run_dir: Path, host: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list) -> Planes:
+    """etcd and NATS (JetStream) on `host`'s ports (loopback, or a host of its own: hosts.py, whose namespace
+    `wrap` runs a command in), data and logs under `run_dir`; or, when the environment names them
+    (`ETCD_ENDPOINTS` and `NATS_SERVER`), those."""
     if os.environ.get("ETCD_ENDPOINTS") and os.environ.get("NATS_SERVER"):
         return Planes(os.environ["ETCD_ENDPOINTS"], os.environ["NATS_SERVER"])
     missing = [b for b in ("etcd", "nats-server") if shutil.which(b) is None]
@@ -114,21 +117,20 @@ def start_planes(run_dir: Path) -> Planes:
 
     def spawn(name: str, argv: list[str], port: int) -> None:
         log = run_dir / f"{name}.log"
-        proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(wrap(argv), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(proc)
-        _wait_port(port, proc, name, log)
+        _wait_port(host, port, proc, name, log)
 
     try:
         spawn("etcd", ["etcd", "--data-dir", str(run_dir / "etcd-data"),
-                       "--listen-client-urls", f"http://127.0.0.1:{client}",
-                       "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                       "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                       "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                       "--initial-cluster", f"default=http://127.0.0.1:{peer}"], client)
-        spawn("nats", ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats), "-m", str(monitor),
-                       "-sd", str(run_dir / "jetstream")], nats)
+                       "--listen-client-urls", f"http://{host}:{client}",
+                       "--advertise-client-urls", f"http://{host}:{client}",
+                       "--listen-peer-urls", f"http://{host}:{peer}",
+                       "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+                       "--initial-cluster", f"default=http://{host}:{peer}"], client)
+        spawn("nats", ["nats-server", "-js", "-a", host, "-p", str(nats), "-m", str(monitor), "-sd",
+                       str(run_dir / "jetstream")], nats)
     except BaseException:
         Planes("", "", tuple(procs)).stop()
         raise
-    return Planes(f"http://127.0.0.1:{client}", f"nats://127.0.0.1:{nats}", tuple(procs), run_dir,
-                  f"http://127.0.0.1:{monitor}")
+    return Planes(f"http://{host}:{client}", f"nats://{host}:{nats}", tuple(procs), run_dir, f"http://{host}:{monitor}")

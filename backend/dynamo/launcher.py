@@ -2,7 +2,8 @@
 
 Discovery `file` (the default): a fresh folder, no etcd or NATS, KV events over ZMQ. Discovery `etcd`: Dynamo's
 cluster planes, etcd for discovery and NATS JetStream for KV events and load (control_plane.py: the ones
-`ETCD_ENDPOINTS` / `NATS_SERVER` name, else started here). Every plane on 127.0.0.1. The model folder is
+`ETCD_ENDPOINTS` / `NATS_SERVER` name, else started here). Every plane on 127.0.0.1, or with `--hosts` each process
+on a host of its own (a network namespace with its own address: hosts.py). The model folder is
 prepared once, before the workers start. Each worker gets an equal share of the CPU's threads. The
 launcher prints when the endpoint is ready, says which worker died if one does (the frontend drops a
 worker whose discovery entry goes with it and routes to the others), and stops everything on Ctrl-C.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.dynamo.control_plane import Planes, start_planes
+from backend.dynamo.hosts import Hosts
 from backend.serving.model_store import MODEL_NAME, resolve_model_dir
 
 ROUTER_MODES = ("kv", "round-robin", "random")
@@ -47,6 +49,11 @@ class Cluster:
     planes: Planes | None = None  # discovery etcd: etcd and NATS (stopped with the cluster when started for it)
     spawn_worker: Callable[[str, int], subprocess.Popen] | None = None  # (role, index): one more worker
     served_model_name: str = MODEL_NAME
+    hosts: Hosts | None = None  # hosts of their own: planes, frontend, worker0, ... (removed with the cluster)
+
+    def worker_address(self, index: int) -> str:
+        """Where worker `index` serves its metrics and system endpoints (port: the frontend's + 1 + index)."""
+        return self.hosts.addresses[f"worker{index}"] if self.hosts else "127.0.0.1"
 
     def add_worker(self, role: str = "both", timeout: float = 300.0) -> int:
         """Start one more worker, which joins through discovery; returns its index once the frontend routes to it."""
@@ -76,6 +83,8 @@ class Cluster:
                 p.wait()
         if self.planes is not None:
             self.planes.stop()
+        if self.hosts is not None:
+            self.hosts.remove()
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -88,13 +97,15 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def environment(discovery_dir: Path, threads: int, planes: Planes | None = None) -> dict[str, str]:
+def environment(discovery_dir: Path, threads: int, planes: Planes | None = None,
+                address: str = "127.0.0.1") -> dict[str, str]:
+    """A process's environment: `address` is its host's (every server it opens listens and is reached there)."""
     env = dict(os.environ)
     env.update({
         "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(discovery_dir),
         "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-        "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
-        "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+        "DYN_TCP_RPC_HOST": address, "DYN_TCP_RESPONSE_STREAM_HOST": address,
+        "DYN_EVENT_PLANE_HOST": address, "DYN_SYSTEM_HOST": address,
         "DYN_SELF_HOST_METADATA": "0",  # one host: the model card is read from the shared discovery folder
         "OMP_NUM_THREADS": str(threads),
     })
@@ -107,7 +118,8 @@ def environment(discovery_dir: Path, threads: int, planes: Planes | None = None)
 def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", model: str = "default",
           served_model_name: str = MODEL_NAME, worker_args: tuple[str, ...] = (), log_dir: Path | None = None,
           threads_per_worker: int | None = None, python: str = sys.executable, prefill_workers: int = 0,
-          decode_workers: int = 0, conditional_disagg: str | None = None, discovery: str = "file") -> Cluster:
+          decode_workers: int = 0, conditional_disagg: str | None = None, discovery: str = "file",
+          hosts: bool = False) -> Cluster:
     """Start the frontend and `workers` workers (plus `prefill_workers` and `decode_workers` for the
     disaggregated layout); returns once the model is served by all of them. `conditional_disagg` (JSON for
     Dynamo's `--router-conditional-disagg-config`) turns on the router's rule for keeping a request on the
@@ -115,6 +127,8 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     `eff_isl_threshold` (default 2048) AND under `eff_isl_ratio_threshold` (0.7) of the prompt.
 
     `discovery`: `file` (one host, no etcd or NATS) or `etcd` (etcd and NATS JetStream: control_plane.py).
+    `hosts` (etcd only; root): the planes, the frontend and each worker on a host of their own (hosts.py), reached
+    at their addresses on its bridge (`Cluster.url`, `Cluster.worker_address`).
     `python` is .venv-dynamo's interpreter (the launcher itself imports nothing from Dynamo, so tests
     start a cluster from the main venv). Worker i serves its metrics on 127.0.0.1:`http_port + 1 + i`.
     """
@@ -122,30 +136,43 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
         raise ValueError(f"discovery: expected one of {DISCOVERY}, got {discovery!r}")
     if router_mode not in ROUTER_MODES:
         raise ValueError(f"router_mode: expected one of {ROUTER_MODES}, got {router_mode!r}")
+    if hosts and (discovery != "etcd" or prefill_workers):
+        raise ValueError("hosts: hosts of their own need discovery etcd, and serve the aggregated layout (the "
+                         "disaggregated KV transfer, NIXL or TCP on --kv-host, is not set up across them)")
     if (prefill_workers > 0) != (decode_workers > 0):
         raise ValueError("prefill_workers, decode_workers: the disaggregated layout needs at least one of each")
     roles = ["both"] * workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
-    if port_in_use("127.0.0.1", http_port):
+    if not hosts and port_in_use("127.0.0.1", http_port):
         raise RuntimeError(f"http_port: 127.0.0.1:{http_port} is in use (another server? pick --http-port)")
     model_dir = resolve_model_dir(model)  # once, before N workers would each prepare it
     run_dir = Path(tempfile.mkdtemp(prefix="serve-dynamo-"))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
     log_dir = log_dir or run_dir
-    planes = start_planes(run_dir / "planes") if discovery == "etcd" else None
-    env = environment(run_dir / "discovery", threads, planes)
+    machines = Hosts.create() if hosts else None
+    try:
+        planes = None if discovery != "etcd" else start_planes(run_dir / "planes") if machines is None else \
+            start_planes(run_dir / "planes", machines.add("planes"), lambda argv: machines.wrap("planes", argv))
+    except BaseException:
+        if machines is not None:
+            machines.remove()
+        raise
     planes_args = ["--discovery-backend", discovery] + (["--event-plane", "nats"] if planes else [])
 
     def spawn(name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
-        return subprocess.Popen([python, "-m", *argv], env={**env, **extra_env},
+        """`python -m argv` as `name`: with `hosts`, on a host of its own (its servers on its address)."""
+        address = machines.add(name) if machines else "127.0.0.1"
+        command = [python, "-m", *argv]
+        return subprocess.Popen(machines.wrap(name, command) if machines else command,
+                                env={**environment(run_dir / "discovery", threads, planes, address), **extra_env},
                                 stdout=(log_dir / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
     # --migration-limit: a request whose worker dies mid-stream continues on another worker
     conditional = ["--router-conditional-disagg", "--router-conditional-disagg-config", conditional_disagg] \
         if conditional_disagg else []
-    frontend = spawn("frontend", ["dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-                                  "--router-mode", router_mode, "--discovery-backend", discovery,
-                                  "--migration-limit", "3", *conditional])
+    frontend = spawn("frontend", ["dynamo.frontend", "--http-host", "0.0.0.0" if machines else "127.0.0.1",
+                                  "--http-port", str(http_port), "--router-mode", router_mode,
+                                  "--discovery-backend", discovery, "--migration-limit", "3", *conditional])
 
     def spawn_worker(role: str, i: int) -> subprocess.Popen:
         return spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role,
@@ -153,8 +180,9 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
                      DYN_SYSTEM_PORT=str(http_port + 1 + i))
 
     procs = [spawn_worker(role, i) for i, role in enumerate(roles)]
-    cluster = Cluster(frontend, procs, log_dir, f"http://127.0.0.1:{http_port}", planes, spawn_worker,
-                      served_model_name)
+    host = machines.addresses["frontend"] if machines else "127.0.0.1"
+    cluster = Cluster(frontend, procs, log_dir, f"http://{host}:{http_port}", planes, spawn_worker,
+                      served_model_name, machines)
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
@@ -212,6 +240,9 @@ def main() -> None:
     p.add_argument("--discovery", default="file", choices=DISCOVERY,
                    help="file: one host, no etcd or NATS; etcd: etcd discovery and NATS JetStream events, those "
                         "ETCD_ENDPOINTS / NATS_SERVER name or started here (docs/dynamo.md)")
+    p.add_argument("--hosts", action="store_true",
+                   help="with --discovery etcd (root): etcd + NATS, the frontend and each worker in a network "
+                        "namespace of its own, each with its own address on a bridge (hosts.py)")
     p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
     p.add_argument("--served-model-name", default=MODEL_NAME)
     args = p.parse_args(argv)
@@ -226,12 +257,13 @@ def main() -> None:
         cluster = start(args.workers, args.http_port, args.router_mode, args.model, args.served_model_name,
                         tuple(worker_args), prefill_workers=args.prefill_workers,
                         decode_workers=args.decode_workers, conditional_disagg=args.conditional_disagg,
-                        discovery=args.discovery)
+                        discovery=args.discovery, hosts=args.hosts)
     except (RuntimeError, ValueError, OSError) as err:  # port in use, bad model folder, a process died, timeout
         sys.exit(f"serve-dynamo: {err}")
     n = len(cluster.workers)
     print(f"ready: OpenAI API on {cluster.url}/v1 (model {args.served_model_name!r}, {layout}, "
-          f"their metrics on ports {args.http_port + 1}..{args.http_port + n}); "
+          f"their metrics on ports {args.http_port + 1}..{args.http_port + n}"
+          f"{' of their hosts: ' + str(cluster.hosts.addresses) if cluster.hosts else ''}); "
           f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
     alive = set(range(len(cluster.workers)))
     try:
