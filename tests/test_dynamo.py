@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import time
 
 import jsonschema
 import pytest
@@ -176,6 +178,41 @@ def test_client_disconnect_frees_the_workers_kv(cluster, client):
     assert busy > 0, "the request held no KV blocks while streaming"
     stream.close()  # the client goes away
     assert wait_kv_free(cluster, list(range(WORKERS))) == 0, "the worker kept the disconnected request's KV blocks"
+
+
+def test_workers_publish_forward_pass_metrics_for_the_planner(cluster, client, tokenizer, tmp_path):
+    """What Dynamo's planner scales on (load-based): each step's forward-pass metrics on the event plane, read here by
+    Dynamo's own consumer. A fresh 40-odd-token prompt is one prefill chunk with nothing cached, then 5 decodes."""
+    out = tmp_path / "fpm.jsonl"
+    probe = subprocess.Popen([str(DYNAMO_PYTHON), "-m", "dynamo.common.recv_forward_pass_metrics",
+                              "--namespace", "dynamo", "--component", "backend", "--endpoint", "generate",
+                              "--output", str(out), "--flush-interval", "0.2"],
+                             env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def received() -> list[dict]:
+        return [json.loads(line)["metrics"] for line in out.read_text().splitlines()] if out.exists() else []
+
+    try:
+        deadline = time.monotonic() + 60  # until it hears the idle workers' heartbeats: subscribed
+        while len({m["worker_id"] for m in received()}) < WORKERS:
+            assert probe.poll() is None and time.monotonic() < deadline, "no heartbeat from every worker"
+            time.sleep(0.2)
+        prompt = "Forward pass metrics, a prompt no other test sends: " + " ".join(f"m{i}" for i in range(12))
+        n = len(tokenizer(prompt)["input_ids"])
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=IGNORE_EOS)
+        deadline = time.monotonic() + 30
+        while len(steps := [m for m in received() if m["wall_time"] > 0]) < 6 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        probe.terminate()
+        probe.wait(10)
+    prefill = [(s["scheduled_requests"]["num_prefill_requests"], s["scheduled_requests"]["sum_prefill_tokens"],
+                s["scheduled_requests"]["sum_prefill_kv_tokens"]) for s in steps]
+    decode = [(s["scheduled_requests"]["num_decode_requests"], s["scheduled_requests"]["sum_decode_kv_tokens"])
+              for s in steps if s["scheduled_requests"]["num_decode_requests"]]
+    assert prefill[0] == (1, n, 0), steps
+    assert decode == [(1, n + i) for i in range(1, 6)], steps
+    assert len({s["worker_id"] for s in steps}) == 1  # the worker that served it
 
 
 def test_kv_router_sends_a_shared_prefix_to_the_worker_that_holds_it(cluster):

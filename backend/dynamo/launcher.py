@@ -50,6 +50,7 @@ class Cluster:
     spawn_worker: Callable[[str, int], subprocess.Popen] | None = None  # (role, index): one more worker
     served_model_name: str = MODEL_NAME
     hosts: Hosts | None = None  # hosts of their own: planes, frontend, worker0, ... (removed with the cluster)
+    env: dict[str, str] | None = None  # for another Dynamo process on this host's loopback (a planner, a probe)
 
     def worker_address(self, index: int) -> str:
         """Where worker `index` serves its metrics and system endpoints (port: the frontend's + 1 + index)."""
@@ -182,7 +183,7 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     procs = [spawn_worker(role, i) for i, role in enumerate(roles)]
     host = machines.addresses["frontend"] if machines else "127.0.0.1"
     cluster = Cluster(frontend, procs, log_dir, f"http://{host}:{http_port}", planes, spawn_worker,
-                      served_model_name, machines)
+                      served_model_name, machines, environment(run_dir / "discovery", threads, planes))
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:

@@ -5,6 +5,8 @@
   itself; our 128-bit chained hashes only name blocks, here cut to the signed 64 bits Dynamo takes.
 - Load: a snapshot of the KV pool after every step and when the engine goes idle (used blocks, total,
   prefix-cache hit rate).
+- Forward-pass metrics, what Dynamo's planner scales on: each step's prefill and decode requests and tokens, the
+  waiting ones, and the step's wall time (engine.step_load; the publisher sends an idle heartbeat on its own).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class RouterFeed(LoopObserver):
         self.snapshot_type = snapshot_type  # dynamo.common.backend.publisher.ComponentSnapshot
         self.kv_publisher: Any = None  # dynamo.llm.KvEventPublisher, once the worker hands it over
         self.snapshots: Any = None  # the worker's SnapshotPublisher
+        self.fpm: Any = None  # dynamo.llm.FpmDirectPublisher, once the endpoint is up
 
     def on_kv_events(self, events: list[KVEvent]) -> None:
         if self.kv_publisher is None:
@@ -42,6 +45,17 @@ class RouterFeed(LoopObserver):
 
     def on_step(self, stats: EngineStats, step_seconds: float) -> None:
         self.on_idle(stats)
+        fpm, load = self.fpm, stats.last_step
+        if fpm is None:
+            return
+        fpm.publish(
+            dp_rank=0, scheduled_num_prefill_requests=load.prefill_requests,
+            scheduled_sum_prefill_tokens=load.prefill_tokens, scheduled_sum_prefill_kv_tokens=load.prefill_kv_tokens,
+            scheduled_num_decode_requests=load.decode_requests, scheduled_sum_decode_kv_tokens=load.decode_kv_tokens,
+            queued_num_prefill_requests=load.queued_prefill_requests,
+            queued_sum_prefill_tokens=load.queued_prefill_tokens,
+            queued_num_decode_requests=load.queued_decode_requests,
+            queued_sum_decode_kv_tokens=load.queued_decode_kv_tokens, wall_time_secs=step_seconds)
 
     def on_idle(self, stats: EngineStats) -> None:
         if self.snapshots is None:

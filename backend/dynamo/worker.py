@@ -28,6 +28,7 @@ from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.common.backend.metrics import register_engine_registry
 from dynamo.common.backend.run import run
 from dynamo.common.constants import DisaggregationMode
+from dynamo.llm import FpmDirectPublisher
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument, Unknown
 
 from backend.dynamo.args import worker_parser
@@ -91,9 +92,11 @@ class EngineWorker(DynamoEngine):
                                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
 
     async def on_endpoint_ready(self, endpoint: Any) -> None:
-        """Each LoRA adapter (`lora_modules`) registered as a model of its own on this endpoint, as dynamo.vllm does:
-        OpenAI's `model` names it, and the request arrives with that name (a model alias would arrive renamed)."""
+        """The forward-pass metrics publisher (what the planner reads), and each LoRA adapter (`lora_modules`)
+        registered as a model of its own on this endpoint, as dynamo.vllm does: OpenAI's `model` names it, and the
+        request arrives with that name (a model alias would arrive renamed)."""
         self._endpoint = endpoint
+        self.feed.fpm = FpmDirectPublisher(endpoint, str(endpoint.connection_id()), dp_size=1)
         for name in sorted(self.loop.engine.list_loras()):
             await self._register_lora(name)
 
@@ -225,8 +228,11 @@ class EngineWorker(DynamoEngine):
     async def cleanup(self) -> None:
         loop, self.loop = self.loop, None
         self.feed.kv_publisher = self.feed.snapshots = None
+        fpm, self.feed.fpm = self.feed.fpm, None
         if loop is not None:
             await asyncio.to_thread(loop.shutdown)
+        if fpm is not None:
+            fpm.shutdown()
         await self.disagg.close()
 
 

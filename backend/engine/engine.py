@@ -32,6 +32,7 @@ from backend.engine.sampling import (NO_TOKEN, Sampled, SamplerRow, SamplingPara
                                     token_logprobs)
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 from backend.engine.speculation import accepted_tokens
+from backend.engine.step_load import StepLoad, step_load
 from backend.engine.sequence import FinishReason, Sequence
 
 
@@ -84,6 +85,7 @@ class EngineStats:
     lora_loads: int = 0
     lora_evictions: int = 0
     lora_requests: tuple[tuple[str, int], ...] = ()
+    last_step: StepLoad = StepLoad()  # what the last step computed and what waited (Dynamo's forward-pass metrics)
 
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -110,6 +112,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # finals of aborted requests, sent by the next step
         self._arrivals = 0
         self._last_step_tokens = 0
+        self._last_step = StepLoad()
         self._in_step = False  # a step's forward is in flight (cut_in is allowed)
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._compiling: dict[str, Sequence] = {}  # guided requests whose grammar has not compiled yet
@@ -346,6 +349,7 @@ class LLMEngine:
             return outputs
         sched = self.scheduler.schedule()
         self._last_step_tokens = sched.num_tokens
+        self._last_step = step_load(sched.scheduled, self.scheduler.waiting)
         if not sched.scheduled:
             if self._compiling and not outputs:  # nothing to run until a grammar compiles: wait for one, briefly
                 wait([s.sampling_state.grammar.pending for s in self._compiling.values()], timeout=0.01,
@@ -487,4 +491,5 @@ class LLMEngine:
             lora_loads=self.loras.num_loads,
             lora_evictions=self.loras.num_evictions,
             lora_requests=tuple(sorted(self.loras.requests.items())),
+            last_step=self._last_step,
         )
