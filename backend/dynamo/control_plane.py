@@ -35,11 +35,11 @@ class Planes:
         return {"DYN_DISCOVERY_BACKEND": "etcd", "ETCD_ENDPOINTS": self.etcd, "NATS_SERVER": self.nats,
                 "DYN_EVENT_PLANE": "nats"}
 
-    def restart(self, name: str, timeout: float = 60.0) -> float:
+    def restart(self, name: str, timeout: float = 60.0) -> None:
         """Stop etcd or NATS (`name`) and start it again as it was, on its port with its data (what a cluster does
         then: docs/dynamo.md, several hosts). For NATS, returns once every client is connected and subscribed again
         as before (the frontend's and workers' NATS clients reconnect with a backoff of their own: KV events sent
-        before then are lost); the seconds from the restart to then."""
+        before then are lost)."""
         i = ("etcd", "nats").index(name)
         before = self.nats_clients() if name == "nats" else None
         old = self.procs[i]
@@ -61,7 +61,6 @@ class Planes:
                 now = self.nats_clients()
             except OSError:  # its monitoring port not listening yet
                 pass
-        return time.monotonic() - started
 
     def nats_clients(self) -> tuple[int, int]:
         """NATS's (connections, subscriptions), from its monitoring endpoint."""

@@ -17,6 +17,7 @@ backend.dynamo.worker --help).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -131,7 +132,8 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     `hosts` (etcd only; root): the planes, the frontend and each worker on a host of their own (hosts.py), reached
     at their addresses on its bridge (`Cluster.url`, `Cluster.worker_address`).
     `python` is .venv-dynamo's interpreter (the launcher itself imports nothing from Dynamo, so tests
-    start a cluster from the main venv). Worker i serves its metrics on 127.0.0.1:`http_port + 1 + i`.
+    start a cluster from the main venv). Worker i serves its metrics on port `http_port + 1 + i` of
+    `Cluster.worker_address(i)` (127.0.0.1 without `hosts`).
     """
     if discovery not in DISCOVERY:
         raise ValueError(f"discovery: expected one of {DISCOVERY}, got {discovery!r}")
@@ -151,8 +153,12 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     log_dir = log_dir or run_dir
     machines = Hosts.create() if hosts else None
     try:
-        planes = None if discovery != "etcd" else start_planes(run_dir / "planes") if machines is None else \
-            start_planes(run_dir / "planes", machines.add("planes"), lambda argv: machines.wrap("planes", argv))
+        planes = None
+        if discovery == "etcd" and machines is None:
+            planes = start_planes(run_dir / "planes")
+        elif discovery == "etcd":
+            planes = start_planes(run_dir / "planes", machines.add("planes"),
+                                  functools.partial(machines.wrap, "planes"))
     except BaseException:
         if machines is not None:
             machines.remove()
