@@ -1,0 +1,78 @@
+"""What a decode step costs as the context grows: the share of a step that reads the KV cache, the question before
+building an 8-bit KV cache (issue 29: build it if attention's reads are the next cost once the weights are small).
+
+For each weight format (float32 and the default model's GGUF as shipped) and batch size, B sequences of C-token
+random prompts are prefilled, then 8 decode steps are timed (median); the KV a step reads is B x C x layers x 2 x
+kv_heads x head_dim x 4 bytes (float32 KV). Prints ms per step and the part of it above the shortest context's step,
+the CPU named.
+
+    python -m load_tests.bench_context [--contexts 128,512,1024,2048] [--batches 1,16] [--quantizations none,gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from backend.engine import EngineConfig, LLMEngine, SamplingParams
+from load_tests.bench_offline import resolve_model
+from load_tests.machine import cpu_summary
+
+DECODE_STEPS = 8
+
+
+def decode_ms(engine: LLMEngine, batch: int, context: int, vocab: int, seed: int) -> float:
+    """The median ms of a decode step of `batch` sequences that hold `context` tokens each."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=engine.max_model_len - context, ignore_eos=True)  # aborted below
+    ids = [f"{seed}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(100, vocab - 100, context).tolist(), params)
+    engine.step()
+    while engine.stats().last_step.decode_requests < batch:  # until a step decoded them all: every prompt is cached
+        engine.step()
+    times = []
+    for _ in range(DECODE_STEPS):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        assert engine.stats().last_step.decode_requests == batch
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--contexts", default="128,512,1024,2048")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--quantizations", default="none,gguf")
+    args = p.parse_args()
+    model = resolve_model(None if args.model == "default" else args.model)
+    contexts = list(map(int, args.contexts.split(",")))
+    print(f"{cpu_summary()} | {model.name} | {DECODE_STEPS} decode steps timed, median")
+    for quantization in args.quantizations.split(","):
+        for batch in map(int, args.batches.split(",")):
+            blocks = batch * (max(contexts) + 256) // 16 + 16
+            engine = LLMEngine(EngineConfig.create(model=str(model), quantization=quantization, max_num_seqs=batch,
+                                                   num_kv_blocks=blocks, max_num_batched_tokens=2048,
+                                                   enable_prefix_caching=False))
+            cfg = engine.model_config
+            kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+            decode_ms(engine, batch, 32, cfg.vocab_size, seed=0)  # warm
+            base = None
+            for i, context in enumerate(contexts):
+                ms = decode_ms(engine, batch, context, cfg.vocab_size, seed=i + 1)
+                base = base if base is not None else ms
+                print(f"{quantization:5} batch {batch:2} context {context:5}: {ms:7.1f} ms/step, KV read "
+                      f"{batch * context * kv_bytes / 1e6:6.0f} MB, {100 * (ms - base) / ms:3.0f} % of the step above "
+                      f"context {contexts[0]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
