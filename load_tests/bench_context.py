@@ -4,9 +4,10 @@ building an 8-bit KV cache (issue 29: build it if attention's reads are the next
 For each weight format (float32 and the default model's GGUF as shipped) and batch size, B sequences of C-token
 random prompts are prefilled, then 8 decode steps are timed (median); the KV a step reads is B x C x layers x 2 x
 kv_heads x head_dim x 4 bytes (float32 KV). Prints ms per step and the part of it above the shortest context's step,
-the CPU named.
+the CPU named; --plot draws ms per step against context, a line per weight format and batch.
 
     python -m load_tests.bench_context [--contexts 128,512,1024,2048] [--batches 1,16] [--quantizations none,gguf]
+        [--plot docs/context.png]
 """
 
 from __future__ import annotations
@@ -46,16 +47,36 @@ def decode_ms(engine: LLMEngine, batch: int, context: int, vocab: int, seed: int
     return 1000 * statistics.median(times)
 
 
+def plot(lines: dict[str, list[float]], contexts: list[int], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, ms in lines.items():
+        ax.plot(contexts, ms, marker="o", label=label)
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--contexts", default="128,512,1024,2048")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--quantizations", default="none,gguf")
+    p.add_argument("--plot", default=None, metavar="PNG")
     args = p.parse_args()
     model = resolve_model(None if args.model == "default" else args.model)
     contexts = list(map(int, args.contexts.split(",")))
-    print(f"{cpu_summary()} | {model.name} | {DECODE_STEPS} decode steps timed, median")
+    title = f"{cpu_summary()} | {model.name} | {DECODE_STEPS} decode steps timed, median"
+    print(title)
+    lines: dict[str, list[float]] = {}
     for quantization in args.quantizations.split(","):
         for batch in map(int, args.batches.split(",")):
             blocks = batch * (max(contexts) + 256) // 16 + 16
@@ -68,10 +89,14 @@ def main() -> None:
             base = None
             for i, context in enumerate(contexts):
                 ms = decode_ms(engine, batch, context, cfg.vocab_size, seed=i + 1)
+                lines.setdefault(f"{'float32' if quantization == 'none' else quantization} weights, batch {batch}",
+                                 []).append(ms)
                 base = base if base is not None else ms
                 print(f"{quantization:5} batch {batch:2} context {context:5}: {ms:7.1f} ms/step, KV read "
                       f"{batch * context * kv_bytes / 1e6:6.0f} MB, {100 * (ms - base) / ms:3.0f} % of the step above "
                       f"context {contexts[0]}", flush=True)
+    if args.plot:
+        plot(lines, contexts, args.plot, title.replace(" | ", "\n", 1))
 
 
 if __name__ == "__main__":
