@@ -44,26 +44,37 @@ def post(cluster: launcher.Cluster, path: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-def worker_of(cluster: launcher.Cluster, prompt: str) -> int:
-    """The worker id the frontend routed a one-token completion of `prompt` to."""
-    code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+def routed(cluster: launcher.Cluster, prompt: str, model: str = MODEL, max_tokens: int = 2) -> tuple[int, float]:
+    """(worker id the frontend routed a completion of `prompt` to, the cached share of its prompt there)."""
+    code, body = post(cluster, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                                    "nvext": {"extra_fields": ["worker_id"]}})
     assert code == 200, body
-    return body["nvext"]["worker_id"]["decode_worker_id"]
+    usage = body["usage"]
+    return (body["nvext"]["worker_id"]["decode_worker_id"],
+            usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
 
 
-def prefix_turns(cluster: launcher.Cluster, prefix: str, turns: int = 4) -> list[tuple[int, float]]:
-    """(worker id, cached share of the prompt) of `turns` completions of `prefix` with a different tail each, one
-    after another: a router that learned the prefix sends every turn after the first to the first's worker."""
-    served = []
-    for turn in range(turns):
-        code, body = post(cluster, "/v1/completions", {"model": MODEL, "prompt": f"{prefix} turn {turn}",
-                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
-        assert code == 200, body
-        usage = body["usage"]
-        served.append((body["nvext"]["worker_id"]["decode_worker_id"],
-                       usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]))
-    return served
+def worker_of(cluster: launcher.Cluster, prompt: str) -> int:
+    """The worker id the frontend routed a one-token completion of `prompt` to."""
+    return routed(cluster, prompt, max_tokens=1)[0]
+
+
+def join_and_route(cluster: launcher.Cluster, tries: int = 40) -> tuple[int, set[int], set[int]]:
+    """One more worker (Cluster.add_worker), then one-token requests, up to `tries`, until one lands on a worker that
+    8 probes before the join did not reach: (the new worker's index, workers reached before, workers reached after)."""
+    before = {worker_of(cluster, f"probe {i} " * 4) for i in range(8)}
+    joined, after = cluster.add_worker(), set()
+    for i in range(tries):
+        after.add(worker_of(cluster, f"fresh {i} " * 4))
+        if after - before:
+            break
+    return joined, before, after
+
+
+def prefix_turns(cluster: launcher.Cluster, prefix: str, turns: int = 4, model: str = MODEL) -> list[tuple[int, float]]:
+    """routed() of `turns` completions of `prefix` with a different tail each, one after another: a router that
+    learned the prefix sends every turn after the first to the first's worker."""
+    return [routed(cluster, f"{prefix} turn {turn}", model) for turn in range(turns)]
 
 
 def learned(served: list[tuple[int, float]]) -> bool:

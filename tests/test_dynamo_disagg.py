@@ -4,23 +4,27 @@ one worker generates alone; cancellations and a killed prefill worker leave no K
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 from openai import OpenAI
 
 from backend.serving.tokenizer import load_tokenizer
+from backend.dynamo.launcher import Cluster
 from tests.dynamo_cluster import MODEL, post, start_cluster, wait_kv_free, worker_metric
 from tests.reference import hf_greedy
 
 PREFILL, DECODE = 0, 1  # worker indices in the launcher's order
 # Dynamo's rule: prefill on the decode worker when fewer than 64 prompt tokens are new to it, and under 70 %
 CONDITIONAL = '{"policy": "isl_bounding", "eff_isl_threshold": 64, "eff_isl_ratio_threshold": 0.7}'
-# ~70 tokens: 4 full blocks travel, the partial last block is recomputed on the decode worker
 LONG = " ".join(f"w{i % 97}" for i in range(300))  # 861 tokens of the tiny model's 1024
+# ~70 tokens: 4 full blocks travel, the partial last block is recomputed on the decode worker
 PROMPT = ("A long prompt that spans several KV blocks, so that the prefill worker has full blocks to hand "
           "over: the quick brown fox jumps over the lazy dog, again and again, until the story is told.")
 
@@ -64,31 +68,47 @@ def test_disaggregated_greedy_equals_hf_and_streams_the_same(cluster, client, ti
     assert "".join(c.choices[0].text for c in stream if c.choices) == out.choices[0].text
 
 
+@dataclass
+class Conditional:
+    """A disaggregated cluster under one of Dynamo's conditional rules."""
+
+    cluster: Cluster
+    client: OpenAI
+
+    def count(self, path: str) -> float:
+        """The decode worker's requests prefilled `remote` or `local`."""
+        return worker_metric(self.cluster, DECODE, "llm_disagg_requests_total", f'prefill="{path}"')
+
+    def complete(self, prompt: str) -> str:
+        """Greedy, 8 tokens, non-streaming (see the rule's caveat in docs/dynamo.md)."""
+        return self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text
+
+
+@contextlib.contextmanager
+def conditional_cluster(model_dir, log_dir, rule: str, worker_args: tuple[str, ...] = (),
+                        timeout: float = 60) -> Iterator[Conditional]:
+    cluster = start_cluster(model_dir, log_dir, worker_args, workers=0, prefill_workers=1, decode_workers=1,
+                            conditional_disagg=rule)
+    try:
+        yield Conditional(cluster, OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0,
+                                          timeout=timeout))
+    finally:
+        cluster.stop()
+
+
 def test_the_conditional_rule_keeps_a_mostly_cached_turn_on_the_decode_worker(tiny_model_dir, tmp_path_factory):
     """Non-streaming here: on a request the rule keeps local, Dynamo 1.6's stream opens with a custom SSE event
     (`x-bypass-remote-prefill`) that the openai package cannot parse (docs/dynamo.md)."""
-    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("conditional-logs"), workers=0,
-                            prefill_workers=1, decode_workers=1, conditional_disagg=CONDITIONAL)
-    try:
-        client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        tokenizer = load_tokenizer(tiny_model_dir)
-
-        def count(path: str) -> float:
-            return worker_metric(cluster, DECODE, "llm_disagg_requests_total", f'prefill="{path}"')
-
-        def complete(prompt: str) -> str:
-            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
-        answer = complete(PROMPT)
-        assert (count("remote"), count("local")) == (1, 0)  # new to the decode worker: prefilled remotely
+    tokenizer = load_tokenizer(tiny_model_dir)
+    with conditional_cluster(tiny_model_dir, tmp_path_factory.mktemp("conditional-logs"), CONDITIONAL) as c:
+        answer = c.complete(PROMPT)
+        assert (c.count("remote"), c.count("local")) == (1, 0)  # new to the decode worker: prefilled remotely
         second = f"{PROMPT}{answer} And then?"  # the decode worker holds all but a few of its tokens
-        text = complete(second)
-        assert (count("remote"), count("local")) == (1, 1)
-        ids = tokenizer(second)["input_ids"]
-        assert text == tokenizer.decode(hf_greedy(tiny_model_dir, [ids], [8])[0])
-    finally:
-        cluster.stop()
+        text = c.complete(second)
+        assert (c.count("remote"), c.count("local")) == (1, 1)
+    ids = tokenizer(second)["input_ids"]
+    assert text == tokenizer.decode(hf_greedy(tiny_model_dir, [ids], [8])[0])
 
 
 def test_the_conditional_rule_prefills_on_the_decode_worker_while_the_prefill_worker_is_busy(tiny_model_dir,
@@ -96,38 +116,26 @@ def test_the_conditional_rule_prefills_on_the_decode_worker_while_the_prefill_wo
     """Dynamo's `prefill_load` policy (the design's prefill-queue condition): a request whose prefill worker has
     more prompt tokens in flight than `prefill_busy_threshold` of its `max_num_batched_tokens` (16 here, so a
     861-token prompt holds it for 54 steps) is prefilled on its decode worker instead of waiting behind them."""
-    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("prefill-load-logs"), workers=0,
-                            prefill_workers=1, decode_workers=1, worker_args=("--max-num-batched-tokens", "16"),
-                            conditional_disagg='{"policy": "prefill_load", "prefill_busy_threshold": 1.0}')
-    try:
-        client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        tokenizer = load_tokenizer(tiny_model_dir)
-
-        def count(path: str) -> float:
-            return worker_metric(cluster, DECODE, "llm_disagg_requests_total", f'prefill="{path}"')
-
-        def complete(prompt: str) -> str:
-            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
-        complete(PROMPT)  # an idle prefill worker: prefilled there
-        assert (count("remote"), count("local")) == (1, 0)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    with conditional_cluster(tiny_model_dir, tmp_path_factory.mktemp("prefill-load-logs"),
+                             '{"policy": "prefill_load", "prefill_busy_threshold": 1.0}',
+                             ("--max-num-batched-tokens", "16"), timeout=120) as c:
+        c.complete(PROMPT)  # an idle prefill worker: prefilled there
+        assert (c.count("remote"), c.count("local")) == (1, 0)
         results = []
-        long = threading.Thread(target=lambda: results.append(complete(LONG)))
+        long = threading.Thread(target=lambda: results.append(c.complete(LONG)))
         long.start()
         deadline = time.monotonic() + 30  # until the prefill worker holds the long prompt's blocks
-        while not worker_metric(cluster, PREFILL, "dynamo_component_gpu_cache_usage_percent"):
+        while not worker_metric(c.cluster, PREFILL, "dynamo_component_gpu_cache_usage_percent"):
             assert time.monotonic() < deadline, "the long prompt never reached the prefill worker"
             time.sleep(0.01)
         other = f"Another prompt, new to both workers: {PROMPT}"
-        text = complete(other)
-        assert (count("remote"), count("local")) == (1, 1)  # this one local, while the long one is prefilled
+        text = c.complete(other)
+        assert (c.count("remote"), c.count("local")) == (1, 1)  # this one local, while the long one is prefilled
         assert text == tokenizer.decode(hf_greedy(tiny_model_dir, [tokenizer(other)["input_ids"]], [8])[0])
         long.join(120)
-        assert len(results) == 1 and (count("remote"), count("local")) == (2, 1)
-        assert wait_kv_free(cluster, [PREFILL, DECODE]) == 0
-    finally:
-        cluster.stop()
+        assert len(results) == 1 and (c.count("remote"), c.count("local")) == (2, 1)
+        assert wait_kv_free(c.cluster, [PREFILL, DECODE]) == 0
 
 
 def test_a_prompt_under_one_block_is_prefilled_on_the_decode_worker(cluster, client, tiny_model_dir):

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from backend.serving.tokenizer import load_tokenizer
-from tests.dynamo_cluster import MODEL, learned, post, prefix_turns, start_cluster, worker_of
+from tests.dynamo_cluster import MODEL, join_and_route, learned, post, prefix_turns, start_cluster, worker_of
 from tests.reference import hf_greedy
 
 PROMPT = "The capital of France is"
@@ -95,13 +95,7 @@ def test_nats_restarted_under_load_loses_no_stream_and_the_router_learns_again(c
 
 
 def test_workers_join_and_leave_at_run_time(cluster):
-    before = {worker_of(cluster, f"probe {i} " * 4) for i in range(8)}
-    joined = cluster.add_worker()  # a third worker, through etcd
-    after = set()
-    for i in range(40):  # until one lands on it
-        after.add(worker_of(cluster, f"fresh {i} " * 4))
-        if after - before:
-            break
+    joined, before, after = join_and_route(cluster)  # a third worker, through etcd
     assert after - before, f"the joined worker{joined} got none of 40 requests: {before} then {after}"
 
     # graceful: SIGTERM unregisters the worker and lets its streams finish; every stream ends whole

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from backend.serving.tokenizer import load_tokenizer
-from tests.dynamo_cluster import MODEL, learned, post, prefix_turns, start_cluster, worker_of
+from tests.dynamo_cluster import MODEL, join_and_route, learned, post, prefix_turns, start_cluster
 from tests.reference import hf_greedy
 
 
@@ -60,12 +60,6 @@ def test_the_router_learns_a_shared_prefix_across_hosts(cluster):
 
 
 def test_a_worker_joins_on_a_new_host_and_gets_traffic(cluster):
-    before = {worker_of(cluster, f"probe {i} " * 4) for i in range(8)}
-    joined = cluster.add_worker()
+    joined, before, after = join_and_route(cluster)
     assert f"worker{joined}" in cluster.hosts.addresses
-    after = set()
-    for i in range(40):
-        after.add(worker_of(cluster, f"fresh {i} " * 4))
-        if after - before:
-            break
     assert after - before, f"the worker on a new host got none of 40 requests: {before} then {after}"

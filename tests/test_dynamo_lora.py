@@ -17,7 +17,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 
 from backend.serving.tokenizer import load_tokenizer
 from load_tests.lora_adapters import make_adapter
-from tests.dynamo_cluster import MODEL, post, start_cluster
+from tests.dynamo_cluster import MODEL, learned, prefix_turns, routed, start_cluster
 from tests.reference import peft_greedy
 
 PROMPT = "The capital of France is"
@@ -65,19 +65,10 @@ def test_an_adapter_not_loaded_is_refused_and_the_next_request_served(client):
 
 def test_the_router_sends_an_adapters_shared_prefix_to_the_worker_that_holds_it(cluster):
     prefix = " ".join(f"v{i % 11}" for i in range(200))  # ~200 tokens, 12 blocks
-
-    def ask(model: str, turn: int) -> tuple[int, float]:
-        code, body = post(cluster, "/v1/completions", {"model": model, "prompt": f"{prefix} question {turn}",
-                                                       "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
-        assert code == 200, body
-        usage = body["usage"]
-        return (body["nvext"]["worker_id"]["decode_worker_id"],
-                usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
-
-    served = [ask("sql", turn) for turn in range(4)]
-    assert len({w for w, _ in served}) == 1, served
-    assert served[0][1] == 0 and all(hit > 0.8 for _, hit in served[1:]), served
-    assert ask(MODEL, 9)[1] == 0 and ask("chat", 9)[1] == 0  # the base model and another adapter share nothing
+    served = prefix_turns(cluster, prefix, model="sql")
+    assert learned(served), served
+    # the base model and another adapter share nothing
+    assert routed(cluster, f"{prefix} turn 9")[1] == 0 and routed(cluster, f"{prefix} turn 9", "chat")[1] == 0
 
 
 def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, client, tiny_model_dir, tmp_path):
