@@ -6,12 +6,14 @@ Quality, each quantized tactic forced (backend/engine/runners/gemm.py; int4's Q8
 - perplexity on a fixed text every Python install ships (its LICENSE.txt, first `--tokens` tokens);
 - top-1 agreement with float32 over float32's own greedy outputs of fixed prompts (8 prompts x 64 tokens), and the
   largest |logit difference| there.
-The same for the ONNX Runtime runner's int8 and int4 graphs (exported once into .cache/engines/).
+The same for the ONNX Runtime runner's int8 and int4 graphs (exported once into .cache/engines/), and for the 8-bit KV
+cache (`kv_cache_dtype: int8`) under float32 weights (kv_int8) and under the GGUF (gguf_kv_int8).
 Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8,
 60 MB in int4) do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN
 prepacked vs each quantized tactic.
 
-    python -m load_tests.bench_quantization [--model DIR] [--tokens 1024] [--out results/quantization.json]
+    python -m load_tests.bench_quantization [--model DIR] [--tokens 1024] [--runs gguf,kv_int8,...]
+        [--out results/quantization.json]
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def onnx_runner(model: Path, dtype: str, blocks: int, block_size: int, quantizat
                       quantization=quantization)
 
 
-def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
+def quality(model: Path, max_tokens: int, only: set[str] | None = None) -> dict[str, dict[str, float]]:
     from backend.engine import EngineConfig, LLMEngine
     from backend.engine.runners import gemm
     from backend.engine.runners.torch_runner import TorchRunner
@@ -93,9 +95,13 @@ def quality(model: Path, max_tokens: int) -> dict[str, dict[str, float]]:
     runs = {name: functools.partial(TorchRunner, gemm_backend=name, quantization=gemm.TACTICS[name].quantization)
             for name in quantized_tactics()}
     runs["gguf"] = functools.partial(TorchRunner, quantization="gguf")
+    runs["kv_int8"] = functools.partial(TorchRunner, kv_cache_dtype="int8")
+    runs["gguf_kv_int8"] = functools.partial(TorchRunner, quantization="gguf", kv_cache_dtype="int8")
     for q in ("int8", "int4"):  # the exported graph's MatMulNBits (build_engine/quantize_onnx.py)
         runs[f"onnxruntime_{q}"] = functools.partial(onnx_runner, quantization=q)
     for tactic, runner in runs.items():
+        if only and tactic not in only:
+            continue
         got = measure(runner(model, "float32", blocks, 16))
         agree = [float((q.argmax(-1) == torch.tensor(g)).float().mean()) for q, g in zip(got["logits"], greedy)]
         error = max(float((q - r).abs().max()) for q, r in zip(got["logits"], reference["logits"]))
@@ -136,13 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=REPO / ".cache" / "models" / "SmolLM2-135M-Instruct")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", default=None, help="comma-separated quality runs (default: all)")
     p.add_argument("--out", type=Path, default=Path("results/quantization.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_summary()} | {args.threads} threads | {args.model.name}", flush=True)
     print("quality (teacher-forced):", flush=True)
     report = {"cpu": cpu_summary(), "threads": args.threads, "model": args.model.name,
-              "quality": quality(args.model, args.tokens)}
+              "quality": quality(args.model, args.tokens, set(args.runs.split(",")) if args.runs else None)}
     print("GEMM speed (30 layers of SmolLM2's Linear shapes):", flush=True)
     report["gemm_ms"] = speed = gemm_speed()
     for name, row in speed.items():

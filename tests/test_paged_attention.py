@@ -1,6 +1,7 @@
 """The CPU paged-attention kernel equals the gather path (the graph ONNX Runtime and TensorRT run,
 itself checked against HF) on mixed batches: decodes, a whole prompt, prefill chunks mid-sequence,
-blocks shared between sequences, in every dtype the kernel takes."""
+blocks shared between sequences, in every dtype the kernel takes, and from an int8 cache (kv_quantization.py),
+which both read as the same rounded rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
+from backend.engine.kv_quantization import quantize
 from backend.engine.models.llama import KernelLayout, ModelConfig, RowLayout
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
@@ -34,8 +36,10 @@ def scheduled_batch(rng: np.random.Generator, num_blocks: int) -> list[tuple[Seq
     return batch
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-def test_kernel_equals_gather(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
+                                               (torch.float16, 3e-3, False), (torch.float32, 2e-5, True),
+                                               (torch.bfloat16, 3e-2, True)])
+def test_kernel_equals_gather(dtype, tol, kv_int8):
     cpu_kernels.load()
     rng = np.random.default_rng(0)
     num_blocks = 64
@@ -44,6 +48,8 @@ def test_kernel_equals_gather(dtype, tol):
     T = batch.num_tokens
     q, k, v = (torch.randn(T, n, D, generator=gen).to(dtype) for n in (H, KVH, KVH))
     cache_k, cache_v = (torch.randn(num_blocks, BLOCK, KVH, D, generator=gen).to(dtype) for _ in range(2))
+    if kv_int8:
+        cache_k, cache_v = quantize(cache_k), quantize(cache_v)
     t = {name: torch.from_numpy(a) for name, a in vars(batch).items() if a is not None}  # no LoRA groups
 
     rows = RowLayout(t["row_block_tables"], t["row_token_index"], t["positions"][t["row_token_index"]],
@@ -55,8 +61,8 @@ def test_kernel_equals_gather(dtype, tol):
     assert got.dtype == dtype and got.shape == expected.shape == (T, H * D)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
     # the kernel wrote the new K/V where the runner would have
-    flat = cache_k.view(-1, KVH, D)[t["slot_mapping"]]
-    assert torch.equal(flat, k)
+    flat = cache_k.view(-1, KVH, cache_k.shape[-1])[t["slot_mapping"]]
+    assert torch.equal(flat, quantize(k) if kv_int8 else k)
 
 
 def test_kernel_rejects_mismatched_dtypes():
@@ -64,5 +70,5 @@ def test_kernel_rejects_mismatched_dtypes():
     q = torch.zeros(1, H, D)
     cache = torch.zeros(2, BLOCK, KVH, D, dtype=torch.bfloat16)
     idx = torch.zeros(1, 1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="in q's dtype or int8"):
         cpu_kernels.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)

@@ -3,7 +3,8 @@ the output without speculation and to HF, for k in {1, 3, 5}, with drafts accept
 with speculation (n-gram and a draft model) as without; a stop id or max_tokens inside
 an accepted run ends it where it would end without; penalties, bad words, min_tokens, logprobs and a guide's mask per
 verified position;
-the prefix cache holds only accepted tokens; every block free after; the counters through a real server.
+the prefix cache holds only accepted tokens; every block free after; the counters through a real server; the same
+greedy output on the 8-bit KV cache with and without speculation.
 
 SmolLM2 (real weights): a random tiny model's greedy output never repeats, so no draft would ever be accepted."""
 
@@ -52,6 +53,16 @@ def test_propose_and_accept():
     assert propose_ngram([4, 5, 6], 3) == [] and propose_ngram([4], 3) == []
     # the sampler's picks at each verified position; seq 0: drafts 7, 8, 9 -> 7, 8 accepted, then 2
     assert accepted_tokens([7, 8, 2, 4, 5, 5, 6], [[7, 8, 9], [5, 5]]) == [[7, 8, 2], [5, 5, 6]]
+
+
+def test_greedy_equals_without_speculation_on_an_int8_kv_cache(smollm2_dir, prompts):
+    """Speculation must not change outputs on the 8-bit KV cache either (a verified draft's K/V rounded as a decoded
+    token's would be)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir), kv_cache_dtype="int8")).generate(prompts, params)
+    eng = speculating(smollm2_dir, 5, kv_cache_dtype="int8")
+    assert eng.generate(prompts, params) == expected
+    assert eng.num_accepted_tokens > 0 and eng.kv.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

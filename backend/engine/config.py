@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from backend.engine.kv_quantization import KV_CACHE_DTYPES
+
 AdmissionPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 ADMISSION_POLICIES = ("max_utilization", "guaranteed_no_evict")
 PrefixCacheScope = Literal["tenant", "global"]
@@ -67,8 +69,12 @@ class CacheConfig:
     # tenant: a tenant's requests share cached prefixes only among themselves (the tenant enters the first block's
     # hash, so no tenant can time another's prompts); global: everyone's requests share them
     prefix_cache_scope: PrefixCacheScope = "tenant"
+    # auto: the model's dtype; int8: a scale per (token, KV head) row, 3.8x the tokens per GB (kv_quantization.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
             raise ValueError(f"prefix_cache_scope: expected one of {list(PREFIX_CACHE_SCOPES)}, got "
                              f"{self.prefix_cache_scope!r}")
@@ -116,6 +122,9 @@ class EngineConfig:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.lora_modules and (why := self.lora_refusal()):
             raise ValueError(f"lora_modules: {why}")
+        if self.cache.kv_cache_dtype != "auto" and (self.runtime, self.device) != ("torch", "cpu"):
+            raise ValueError(f"kv_cache_dtype: {self.cache.kv_cache_dtype} is served by runtime torch on the CPU, "
+                             f"not {self.runtime} on {self.device}")
         if (self.scheduler.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: set it (a model folder with the model's tokenizer) exactly when "
                              f"speculative is draft (speculative: {self.scheduler.speculative})")

@@ -23,6 +23,7 @@ from backend.engine.draft_model import DraftModel
 from backend.engine.errors import InvalidRequestError, UnknownRequestError
 from backend.engine.guided_decoding import GUIDE_FIELD, GrammarCompiler, GrammarState
 from backend.engine.kv_cache import KVCacheManager, bytes_per_block
+from backend.engine.kv_quantization import row_bytes
 from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.lora import LoraAdapter, LoraBatch, LoraRegistry, parse_lora_modules
 from backend.engine.models.llama import ModelConfig, load_model_config
@@ -90,9 +91,10 @@ class EngineStats:
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
     """Blocks in the KV pool: `num_kv_blocks`, or as many as `kv_cache_memory_gb` holds."""
-    return config.cache.num_blocks(bytes_per_block(model_cfg.num_layers, config.cache.block_size,
-                                                   model_cfg.num_kv_heads, model_cfg.head_dim,
-                                                   torch_dtype(config.dtype).itemsize))
+    cache = config.cache
+    return cache.num_blocks(bytes_per_block(model_cfg.num_layers, cache.block_size, model_cfg.num_kv_heads,
+                                            row_bytes(model_cfg.head_dim, torch_dtype(config.dtype),
+                                                      cache.kv_cache_dtype)))
 
 
 class LLMEngine:
@@ -134,7 +136,7 @@ class LLMEngine:
 
         c = self.config
         runner = TorchRunner(c.draft_model, c.dtype, num_blocks, c.cache.block_size, c.device, c.attention,
-                             "auto", c.draft_quantization)
+                             "auto", c.draft_quantization, c.cache.kv_cache_dtype)
         return DraftModel(self.model_config.vocab_size, runner, c.cache.block_size, c.q_tile)
 
     # -- requests -------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype_bytes
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, row_bytes: int) -> int:
+    """A block's bytes in the cache, K and V of every layer; `row_bytes`: one (token, KV head) row."""
+    return num_layers * 2 * block_size * num_kv_heads * row_bytes
 
 
 def chain_hash(parent: bytes, block_tokens: list[int]) -> bytes:

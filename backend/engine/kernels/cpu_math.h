@@ -73,6 +73,19 @@ inline vfloat load(const c10::Half* p) {
   return v;
 }
 
+inline vfloat load(const int8_t* p) {  // an int8 KV row's values (kv_quantization.py), unscaled
+  // GCC turns __builtin_convertvector from int8 lanes into one scalar conversion per lane: 4x slower attention
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  vfloat v;
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 // float -> bfloat16 bits in the top half, rounded to nearest even as c10::BFloat16(float) does (NaN aside).

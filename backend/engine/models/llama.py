@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from backend.engine.kv_quantization import as_stored, dequantize, quantize
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -266,9 +268,11 @@ class KernelLayout:
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         from backend.engine.kernels.cpu_kernels import paged_attention
 
-        KVH, D = cfg.num_kv_heads, cfg.head_dim
-        cache_k.view(-1, KVH, D).index_copy_(0, self.slot_mapping, k)
-        cache_v.view(-1, KVH, D).index_copy_(0, self.slot_mapping, v)
+        KVH, D, width = cfg.num_kv_heads, cfg.head_dim, cache_k.shape[-1]
+        if cache_k.dtype == torch.int8:  # the kernel reads the int8 rows as stored
+            k, v = quantize(k), quantize(v)
+        cache_k.view(-1, KVH, width).index_copy_(0, self.slot_mapping, k)
+        cache_v.view(-1, KVH, width).index_copy_(0, self.slot_mapping, v)
         out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
                               D ** -0.5)
         return out.view(q.shape[0], cfg.num_heads * D)
@@ -303,9 +307,12 @@ def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConf
     C = B * cache_k.shape[1]
     # [num_blocks, block_size, KVH, D] -> the rows' keys [R*C, KVH, D], then the new keys into their slots.
     # The gather makes a fresh tensor, so the scatter can be in place (out of place would copy it again).
-    keys = cache_k[rows.block_tables].reshape(R * C, KVH, D)
+    keys, values = cache_k[rows.block_tables], cache_v[rows.block_tables]
+    if cache_k.dtype == torch.int8:  # an int8 cache (eager only): its rows, and the new K/V as it will hold them
+        keys, values, k, v = dequantize(keys, q.dtype), dequantize(values, q.dtype), as_stored(k), as_stored(v)
+    keys = keys.reshape(R * C, KVH, D)
     keys.index_copy_(0, rows.kv_dst, k[rows.kv_src])
-    values = cache_v[rows.block_tables].reshape(R * C, KVH, D)
+    values = values.reshape(R * C, KVH, D)
     values.index_copy_(0, rows.kv_dst, v[rows.kv_src])
     visible = torch.arange(C, device=q.device).view(1, 1, C) <= rows.query_positions.unsqueeze(-1)  # [R, Q, C]
     # Fused attention on strided views: no score tensor, no layout copies (4.5x the unfused version here).

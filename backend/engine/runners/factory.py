@@ -24,7 +24,7 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
         from backend.engine.runners.torch_runner import TorchRunner
 
         return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
-                           config.gemm_backend, config.quantization)
+                           config.gemm_backend, config.quantization, config.cache.kv_cache_dtype)
     if config.quantization == "gguf" or (config.quantization != "none" and config.runtime == "tensorrt"):
         raise ValueError(f"quantization: {config.quantization} is served by runtime torch"
                          f"{'' if config.quantization == 'gguf' else ' and onnxruntime'}, not {config.runtime}")

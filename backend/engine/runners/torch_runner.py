@@ -51,7 +51,8 @@ def resolve_attention(attention: str, device: torch.device) -> str:
 
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, device: str = "cpu",
-                 attention: str = "auto", gemm_backend: str = "auto", quantization: str = "none"):
+                 attention: str = "auto", gemm_backend: str = "auto", quantization: str = "none",
+                 kv_cache_dtype: str = "auto"):
         self.device = torch.device(device)
         self.attention = resolve_attention(attention, self.device)
         self.model = load_model(model_dir, torch_dtype(dtype), self.device)
@@ -62,7 +63,7 @@ class TorchRunner:
         self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device)
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device, kv_cache_dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
