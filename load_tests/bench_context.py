@@ -56,8 +56,10 @@ def plot(lines: dict[str, list[float]], contexts: list[int], path: str, title: s
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
+    colors: dict[str, str] = {}  # a color per weights and batch; the int8 KV's line dashed beside its float32 one
     for label, ms in lines.items():
-        ax.plot(contexts, ms, marker="o", label=label)
+        color = colors.setdefault(label.replace("int8 KV", "float32 KV"), f"C{len(colors)}")
+        ax.plot(contexts, ms, marker="o", label=label, color=color, linestyle="--" if "int8 KV" in label else "-")
     ax.set_xlabel("context (tokens per sequence)")
     ax.set_ylabel("ms per decode step")
     ax.set_ylim(bottom=0)

@@ -38,6 +38,23 @@ def test_each_row_rounds_to_nearest_on_its_own_scale():
     assert ((dequantize(packed, torch.float32) - x).abs() <= scale / 2 * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_row_writer_rounds_as_quantize_does(dtype):
+    """llm_kernels.write_int8_rows (the kernel path's writer) on K as the model has it: a strided view of qkv."""
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(9, 4 * 16 + 2 * 2 * 16, generator=g) * 3).to(dtype)
+    qkv[4, 64:96] = 0  # a zero row
+    k = qkv[:, 64:96].view(9, 2, 16)
+    cache = torch.zeros(6, 4, 2, 20, dtype=torch.int8)
+    slots = torch.tensor([23, 0, 5, 6, 7, 1, 12, 13, 2])
+    torch.ops.llm_kernels.write_int8_rows(k, cache, slots)
+    assert torch.equal(cache.view(-1, 2, 20)[slots], quantize(k))
+    assert cache.view(-1, 2, 20)[[3, 4, 8]].eq(0).all()  # nothing else written
+
+
 @pytest.fixture(scope="module")
 def float_cache_logits(tiny_model_dir) -> torch.Tensor:
     return all_logits(TorchRunner(tiny_model_dir, "float32", 64, 16, gemm_backend="aten"))

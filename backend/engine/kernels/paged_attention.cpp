@@ -260,11 +260,45 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// x [T, KVH, D] (heads contiguous, any token stride) -> the int8 rows [.., KVH, D + 4] of `cache` at slot_mapping[t]:
+// kv_quantization.quantize's rounding exactly (scale max |x| / 127, or 1 for a zero row; round half to even), in one
+// op per layer where the torch ops took ~0.1 ms of dispatch (3 ms a step at batch 1).
+void write_int8_rows(const at::Tensor& x, at::Tensor& cache, const at::Tensor& slot_mapping) {
+  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == D && cache.scalar_type() == at::kChar &&
+              cache.is_contiguous() && cache.dim() == 4 && cache.size(2) == KVH && cache.size(3) == D + 4 &&
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+              "write_int8_rows: x [T, KVH, D], an int8 cache [blocks, block_size, KVH, D + 4], T int64 slots");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  int8_t* rows = cache.data_ptr<int8_t>();
+  dispatch(x, "write_int8_rows", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* px = x.data_ptr<scalar_t>();
+    std::vector<float> values(D);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        const scalar_t* in = px + t * x.stride(0) + h * D;
+        float amax = 0.f;
+        for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(values[i] = static_cast<float>(in[i])));
+        float scale = amax / 127.f;
+        if (!(scale > 0.f)) scale = 1.f;
+        int8_t* out = rows + (slot[t] * KVH + h) * (D + 4);
+        for (int64_t i = 0; i < D; ++i) out[i] = static_cast<int8_t>(std::nearbyint(values[i] / scale));
+        std::memcpy(out + D, &scale, sizeof scale);
+      }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("write_int8_rows(Tensor x, Tensor(a!) cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_int8_rows", &write_int8_rows);
+}

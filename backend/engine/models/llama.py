@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from backend.engine.kv_quantization import as_stored, dequantize, quantize
+from backend.engine.kv_quantization import as_stored, dequantize
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -268,11 +268,13 @@ class KernelLayout:
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         from backend.engine.kernels.cpu_kernels import paged_attention
 
-        KVH, D, width = cfg.num_kv_heads, cfg.head_dim, cache_k.shape[-1]
-        if cache_k.dtype == torch.int8:  # the kernel reads the int8 rows as stored
-            k, v = quantize(k), quantize(v)
-        cache_k.view(-1, KVH, width).index_copy_(0, self.slot_mapping, k)
-        cache_v.view(-1, KVH, width).index_copy_(0, self.slot_mapping, v)
+        KVH, D = cfg.num_kv_heads, cfg.head_dim
+        if cache_k.dtype == torch.int8:  # rounded as kv_quantization.quantize rounds, in one op each
+            torch.ops.llm_kernels.write_int8_rows(k, cache_k, self.slot_mapping)
+            torch.ops.llm_kernels.write_int8_rows(v, cache_v, self.slot_mapping)
+        else:
+            cache_k.view(-1, KVH, D).index_copy_(0, self.slot_mapping, k)
+            cache_v.view(-1, KVH, D).index_copy_(0, self.slot_mapping, v)
         out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
                               D ** -0.5)
         return out.view(q.shape[0], cfg.num_heads * D)
