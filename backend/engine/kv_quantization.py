@@ -6,8 +6,8 @@ K/V are written, and never again (a per-block scale would re-round a block's ear
 SmolLM2's head_dim 64 a row takes 68 bytes where float32 takes 256: a decode step reads 3.8x fewer KV bytes, and the
 same `kv_cache_memory_gb` holds 3.8x the tokens. The packing keeps the cache one tensor
 [layers, 2, blocks, block_size, kv_heads, head_dim + 4], so block copies (prefix cache, disaggregated transfers)
-work unchanged. The CPU attention kernel (kernels/paged_attention.cpp) reads the rows as stored; the gather path
-dequantizes what it gathers.
+work unchanged. On the kernel path the rows are written by `llm_kernels.write_int8_rows` (this rounding, in one op) and
+read as stored by the attention kernel (kernels/paged_attention.cpp); the gather path dequantizes what it gathers.
 """
 
 from __future__ import annotations
