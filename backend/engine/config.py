@@ -120,20 +120,20 @@ class EngineConfig:
         for key in ("max_loras", "max_lora_rank"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        if self.lora_modules and (why := self.lora_refusal()):
+        if self.lora_modules and (why := self.torch_cpu_only("adapters are")):
             raise ValueError(f"lora_modules: {why}")
-        if self.cache.kv_cache_dtype != "auto" and (self.runtime, self.device) != ("torch", "cpu"):
-            raise ValueError(f"kv_cache_dtype: {self.cache.kv_cache_dtype} is served by runtime torch on the CPU, "
-                             f"not {self.runtime} on {self.device}")
+        if self.cache.kv_cache_dtype != "auto" and (why := self.torch_cpu_only(f"{self.cache.kv_cache_dtype} is")):
+            raise ValueError(f"kv_cache_dtype: {why}")
         if (self.scheduler.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: set it (a model folder with the model's tokenizer) exactly when "
                              f"speculative is draft (speculative: {self.scheduler.speculative})")
 
-    def lora_refusal(self) -> str | None:
-        """Why this engine cannot serve LoRA adapters (lora.py), None when it can: runtime torch on the CPU only."""
+    def torch_cpu_only(self, subject: str) -> str | None:
+        """The refusal of a feature only runtime torch on the CPU serves (LoRA adapters, an int8 KV cache), `subject`
+        naming it ("adapters are"); None when this engine is runtime torch on the CPU."""
         if (self.runtime, self.device) == ("torch", "cpu"):
             return None
-        return f"adapters are served by runtime torch on the CPU, not {self.runtime} on {self.device}"
+        return f"{subject} served by runtime torch on the CPU, not {self.runtime} on {self.device}"
 
     @classmethod
     def create(cls, **settings: Any) -> EngineConfig:

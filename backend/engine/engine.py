@@ -221,7 +221,7 @@ class LLMEngine:
     def load_lora(self, name: str, path: str) -> None:
         """Load (or replace) the PEFT LoRA adapter at `path` as `name` (vLLM's /v1/load_lora_adapter). Raises
         InvalidRequestError naming what is wrong; replacing an adapter that unfinished requests use is refused."""
-        if why := self.config.lora_refusal():
+        if why := self.config.torch_cpu_only("adapters are"):
             raise InvalidRequestError("lora_path", why)
         try:
             self.loras.register(name, path, self._loras_in_use())
