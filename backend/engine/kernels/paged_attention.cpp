@@ -197,8 +197,10 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     // a strided deal spreads both kinds over the threads (contiguous chunks would not).
     const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tokens);
     at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-      const int64_t G = shape.num_heads / shape.num_kv_heads;
-      std::vector<float> scores(G * shape.max_ctx), rows(16 * shape.head_dim), acc(G * shape.head_dim);
+      // attend_token_int8 keeps a group's G heads' scores and accumulators, and 16 dequantized rows
+      const int64_t G = std::is_same_v<cache_t, int8_t> ? shape.num_heads / shape.num_kv_heads : 0;
+      std::vector<float> scores(std::max<int64_t>(G, 1) * shape.max_ctx), rows(G ? 16 * shape.head_dim : 0),
+          acc(G * shape.head_dim);
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t c = begin; c < end; ++c) {
         for (int64_t t = c; t < num_tokens; t += num_threads) {
