@@ -99,6 +99,8 @@ def quality(model: Path, max_tokens: int, only: set[str] | None = None) -> dict[
     runs["gguf_kv_int8"] = functools.partial(TorchRunner, quantization="gguf", kv_cache_dtype="int8")
     for q in ("int8", "int4"):  # the exported graph's MatMulNBits (build_engine/quantize_onnx.py)
         runs[f"onnxruntime_{q}"] = functools.partial(onnx_runner, quantization=q)
+    if only and (unknown := only - set(runs)):
+        raise SystemExit(f"--runs: no run named {sorted(unknown)} (known: {sorted(runs)})")
     for tactic, runner in runs.items():
         if only and tactic not in only:
             continue

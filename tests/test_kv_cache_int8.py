@@ -78,9 +78,8 @@ def test_the_pool_holds_what_the_rows_shrank(tiny_model_dir):
     int8_engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_memory_gb=0.01,
                                                 kv_cache_dtype="int8"))
     cfg = float_engine.model_config
-    tokens_per_gb = int(0.01 * 2**30) // (cfg.num_layers * 2 * cfg.num_kv_heads)  # per row byte
-    assert (float_engine.kv.num_blocks, int8_engine.kv.num_blocks) == (tokens_per_gb // 64 // 16,
-                                                                       tokens_per_gb // 20 // 16)
+    row_budget = int(0.01 * 2**30) // (cfg.num_layers * 2 * cfg.num_kv_heads)  # the pool's bytes per row of a token
+    assert (float_engine.kv.num_blocks, int8_engine.kv.num_blocks) == (row_budget // 64 // 16, row_budget // 20 // 16)
     for engine in (float_engine, int8_engine):
         cache = engine.runner.kv_cache
         assert cache.numel() * cache.element_size() <= 0.01 * 2**30
@@ -124,7 +123,7 @@ def test_served_from_an_int8_cache(tmp_path_factory, tiny_model_dir):
 
     tokenizer = load_tokenizer(tiny_model_dir)
     prompt = "The quick brown fox"
-    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype="int8"))
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype="int8", kv_cache_memory_gb=0.05))
     [expected] = engine.generate([encode(tokenizer, prompt, False)], SamplingParams(max_tokens=24, ignore_eos=True))
     settings = {"kv_cache_dtype": "int8", "kv_cache_memory_gb": "0.05"}
     with start_server(tmp_path_factory.mktemp("repo_kv_int8"), tiny_model_dir, settings) as srv:
@@ -133,9 +132,7 @@ def test_served_from_an_int8_cache(tmp_path_factory, tiny_model_dir):
             text = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True).text
         blocks = metrics(srv)['llm_kv_blocks{state="total"}']
     assert text == decode_text(tokenizer, expected)
-    int8_blocks = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype="int8",
-                                                kv_cache_memory_gb=0.05)).kv.num_blocks
-    assert blocks == int8_blocks and int8_blocks > 3 * LLMEngine(EngineConfig.create(
+    assert blocks == engine.kv.num_blocks and engine.kv.num_blocks > 3 * LLMEngine(EngineConfig.create(
         model=str(tiny_model_dir), kv_cache_memory_gb=0.05)).kv.num_blocks
 
 
