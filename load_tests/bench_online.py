@@ -22,7 +22,7 @@ is the serving overhead (an `ours@quantization=Q` system is held to the offline 
         [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--out results/online]
 
 Every system, the offline engine included, runs under the server's OpenMP environment: the launcher's
-defaults (OMP_WAIT_POLICY=PASSIVE) unless set in the environment, so the serving overhead compares like
+defaults (GOMP_SPINCOUNT=10000) unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the serving overhead compares like
 with like.
 
 Writes online.json, online.md and three PNGs (throughput, TTFT p99 vs rate, latency CDF) to --out.
@@ -53,7 +53,8 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from backend.triton.launcher import SERVER_ENV_DEFAULTS, TritonServer, free_ports
+from backend.serving.openmp_env import openmp_env
+from backend.triton.launcher import TritonServer, free_ports
 from backend.triton.repository import configure_repository
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
@@ -516,8 +517,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers and the offline engine inherit it
-    for key, value in SERVER_ENV_DEFAULTS.items():  # so does the server's OpenMP wait policy
-        os.environ.setdefault(key, value)
+    os.environ.update(openmp_env(dict(os.environ)))  # so do the server's OpenMP defaults
     model_dir = resolve_model(None if args.model == "default" else args.model)
     runs = [*args.rates, BURST]  # one workload each (seeds seed+1, seed+2, ...); seed itself warms up
     warmup = make_items(model_dir, 2, args.seed)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from backend.serving.openmp_env import SPIN_DEFAULTS, openmp_env
 from backend.triton.launcher import TritonInstall, TritonServer, find_tritonserver, free_ports
 from backend.triton.supervisor import stub_processes
 
@@ -138,6 +139,20 @@ def test_health_and_metrics_answer(server: TritonServer) -> None:
     assert http_status(f"{server.url_http}/v2/health/ready") == 200
     with urllib.request.urlopen(server.url_metrics, timeout=5) as resp:
         assert resp.status == 200 and b"nv_inference_request_success" in resp.read()
+
+
+def test_stubs_spin_briefly_unless_the_user_chose(server: TritonServer) -> None:
+    """The OpenMP default reaches the stubs where the user set neither variable; a user's choice is kept as set."""
+    stubs = stub_processes(server.pid)
+    assert stubs
+    for pid in stubs.values():
+        env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        user = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+        expected = user or SPIN_DEFAULTS
+        assert {k: env.get(k.encode(), b"").decode() for k in expected} == expected
+    assert openmp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env({"GOMP_SPINCOUNT": "0"}) == {"GOMP_SPINCOUNT": "0"}
+    assert openmp_env({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000"}
 
 
 def test_second_server_runs_alongside(server: TritonServer, tmp_path: Path) -> None:

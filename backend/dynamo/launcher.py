@@ -33,6 +33,7 @@ from pathlib import Path
 
 from backend.dynamo.control_plane import Planes, start_planes
 from backend.dynamo.hosts import Hosts
+from backend.serving.openmp_env import openmp_env
 from backend.serving.model_store import MODEL_NAME, resolve_model_dir
 
 ROUTER_MODES = ("kv", "round-robin", "random")
@@ -102,7 +103,7 @@ def port_in_use(host: str, port: int) -> bool:
 def environment(discovery_dir: Path, threads: int, planes: Planes | None = None,
                 address: str = "127.0.0.1") -> dict[str, str]:
     """A process's environment: `address` is its host's (every server it opens listens and is reached there)."""
-    env = dict(os.environ)
+    env = openmp_env(dict(os.environ))
     env.update({
         "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(discovery_dir),
         "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",

@@ -19,6 +19,7 @@ import torch
 
 from backend.engine.batch import build_model_input
 from backend.engine.config import EngineConfig
+from backend.engine.cpu_share import CpuShare
 from backend.engine.draft_model import DraftModel
 from backend.engine.errors import InvalidRequestError, UnknownRequestError
 from backend.engine.guided_decoding import GUIDE_FIELD, GrammarCompiler, GrammarState
@@ -104,6 +105,7 @@ class LLMEngine:
         cache = config.cache
         num_blocks = kv_pool_blocks(config, model_cfg)
         self.runner = runner or create_runner(config, num_blocks)
+        self.cpu_share = CpuShare.start() if (config.runtime, config.device) == ("torch", "cpu") else None
         self.model_config = model_cfg
         self.max_model_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings, num_blocks * cache.block_size)
@@ -357,6 +359,8 @@ class LLMEngine:
                 wait([s.sampling_state.grammar.pending for s in self._compiling.values()], timeout=0.01,
                      return_when=FIRST_COMPLETED)
             return outputs
+        if self.cpu_share is not None:
+            self.cpu_share.update()
         self._in_step = True
         try:
             return outputs + self._run(sched, between_layers)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from backend.serving.openmp_env import openmp_env
 from backend.triton.supervisor import STUB, Supervisor
 
 LOG = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 ADMIN_APIS = ("shared-memory", "model-config", "model-repository", "statistics", "trace", "logging")
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 MiB = 1024 * 1024
-# OpenMP workers sleep at barriers instead of spinning. Measured on 2 cores (a 40-request burst, SmolLM2):
-# spinning (libgomp's default) serves 14 % more tok/s when the server has the cores to itself, but with
-# one other busy process on the box it serves 3.6x less than sleeping (a spinning worker burns the slice
-# its descheduled partner needs). Set OMP_WAIT_POLICY yourself to override; OMP_WAIT_POLICY=ACTIVE
-# GOMP_SPINCOUNT=300000 is libgomp's spinning default, for dedicated cores.
-SERVER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 STABLE_S = 600.0  # a server up this long counts as healthy: the restart backoff starts over
 
 
@@ -103,9 +98,7 @@ def _server_env(libs_dir: Path | None) -> dict[str, str]:
     ld_path = [str(d) for d in (_libpython_dir(), libs_dir) if d] + [env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = ":".join(filter(None, ld_path))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    for key, value in SERVER_ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    return env
+    return openmp_env(env)
 
 
 @functools.cache  # once per stub
