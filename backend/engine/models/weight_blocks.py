@@ -1,6 +1,7 @@
 """Quantized Linear weights in llama.cpp's block forms, as the int8/int4 GEMM tactics read them (runners/gemm.py):
 rounded at load from a float weight (`quantization: int8 | int4`), or decoded from a GGUF file's own blocks without
-a float copy (`quantization: gguf`, models/gguf_weights.py).
+a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q6_K, Q5_K, F16, ...)
+is a float32 tensor of its dequantized values (`Weight`), served by the float tactics.
 
 - `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row.
 - `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
@@ -41,6 +42,12 @@ class Q4Blocks:
 
 
 Blocks = Q8Blocks | Q4Blocks
+Weight = Blocks | torch.Tensor  # a float32 tensor: a GGUF type read as its dequantized values
+STORED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
+
+
+def as_float(weight: Weight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
 def _blocks_of(weight: torch.Tensor, form: str) -> torch.Tensor:
@@ -104,33 +111,37 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         sub_d = d[..., None] * torch.from_numpy(scale6.astype(np.float32))
         sub_m = -(dmin[..., None] * torch.from_numpy(min6.astype(np.float32)))
         return Q4Blocks(torch.from_numpy(q), sub_d.reshape(rows, nb).contiguous(), sub_m.reshape(rows, nb).contiguous())
-    raise ValueError(f"quantization: gguf serves Q8_0, Q4_0, Q4_1 and Q4_K tensors, not {type_name}")
+    raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
 
 
-def take_rows(blocks: Blocks, index: torch.Tensor) -> Blocks:
+def take_rows(blocks: Weight, index: torch.Tensor) -> Weight:
     """The same blocks with their output channels reordered (a row is whole blocks, so nothing is rounded)."""
+    if isinstance(blocks, torch.Tensor):
+        return blocks[index]
     if isinstance(blocks, Q8Blocks):
         return Q8Blocks(blocks.q[index], blocks.scale[index])
     return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
 
 
-def cat_rows(parts: list[Blocks]) -> Blocks:
-    """Output channels stacked (q/k/v and gate/up are fused): all parts must be one form."""
+def cat_rows(parts: list[Weight]) -> Weight:
+    """Output channels stacked (q/k/v and gate/up are fused). Parts of different forms (a Q4_K_M file's Q4_K q/k
+    beside its Q6_K v) are stacked as their float32 values, which they keep exactly."""
     kinds = {type(p) for p in parts}
-    if len(kinds) != 1:
-        raise ValueError(f"quantization: gguf fuses tensors of one block form, got {sorted(k.__name__ for k in kinds)}")
-    kind = kinds.pop()
+    kind = kinds.pop() if len(kinds) == 1 else torch.Tensor
     if kind is Q8Blocks:
         return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]))
+    if kind is Q4Blocks:
+        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                        torch.cat([p.m for p in parts]))
+    return torch.cat([as_float(p) for p in parts])
 
 
 class BlockEmbedding(nn.Module):
     """An embedding table kept in its blocks (a GGUF's token_embd): the looked-up rows are dequantized."""
 
-    def __init__(self, blocks: Blocks, dtype: torch.dtype):
+    def __init__(self, blocks: Weight, dtype: torch.dtype):
         super().__init__()
         self.blocks, self.dtype = blocks, dtype
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return take_rows(self.blocks, token_ids).dequantize().to(self.dtype)
+        return as_float(take_rows(self.blocks, token_ids)).to(self.dtype)

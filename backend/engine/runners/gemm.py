@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
-from backend.engine.models.weight_blocks import Blocks, Q4Blocks, Q8Blocks, q4_1, q8_0
+from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, Weight, q4_1, q8_0
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
@@ -267,20 +267,21 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     return {k: v["choice"] for k, v in chosen.items()}
 
 
-def _form(quantization: str, name: str, stored: dict[str, Blocks] | None) -> tuple[str, type | None]:
-    """(tactic quantization, stored block form) that serve Linear `name`."""
+def _form(quantization: str, name: str, stored: dict[str, Weight] | None) -> tuple[str, type | None]:
+    """(tactic quantization, stored block form) that serve Linear `name`; a stored float tensor is float's."""
     if quantization == "gguf":
-        return ("int8", Q8Blocks) if isinstance(stored[name], Q8Blocks) else ("int4", Q4Blocks)
+        return {Q8Blocks: ("int8", Q8Blocks), Q4Blocks: ("int4", Q4Blocks)}.get(type(stored[name]), ("none", None))
     if quantization == "int4" and name == "lm_head":
         return "int8", None
     return quantization, None
 
 
 def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none",
-                stored: dict[str, Blocks] | None = None) -> dict[Shape, str]:
-    """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from `stored`
-    blocks by its name; a tactic that keeps its own copy of the weight (packed, float32 or int8) releases the
-    module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
+                stored: dict[str, Weight] | None = None) -> dict[Shape, str]:
+    """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from the `stored`
+    weight of its name; a tactic that keeps its own copy of the weight (packed, float32 or int8), and every stored
+    one, releases the module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its
+    own)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -298,8 +299,9 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
         picks = choose(sorted({shapes[n] for n in names}, key=lambda s: s.key), dtype, device, own, *form)
         chosen.update({name: picks[shapes[name]] for name in names})
     for name, linear in linears.items():
-        tactic = chosen[name]
-        linear.gemm = TACTICS[tactic].prepare(stored[name] if forms[name][1] else linear.weight, linear.bias)
-        if tactic != "aten":
+        tactic, weight = chosen[name], linear.weight if stored is None else stored[name]
+        linear.gemm = TACTICS[tactic].prepare(weight.to(dtype) if isinstance(weight, torch.Tensor) else weight,
+                                              linear.bias)
+        if tactic != "aten" or stored is not None:
             linear.weight = linear.bias = None
     return {shapes[name]: tactic for name, tactic in chosen.items()}
