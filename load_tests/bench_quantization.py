@@ -7,7 +7,9 @@ Quality, each quantized tactic forced (backend/engine/runners/gemm.py; int4's Q8
 - top-1 agreement with float32 over float32's own greedy outputs of fixed prompts (8 prompts x 64 tokens), and the
   largest |logit difference| there.
 The same for the ONNX Runtime runner's int8 and int4 graphs (exported once into .cache/engines/), and for the 8-bit KV
-cache (`kv_cache_dtype: int8`) under float32 weights (kv_int8) and under the GGUF (gguf_kv_int8).
+cache (`kv_cache_dtype: int8`) under float32 weights (kv_int8) and under the GGUF (gguf_kv_int8); `llamacpp`:
+perplexity and top-1 agreement of llama.cpp on the model folder's GGUF, the same token ids (.venv-llamacpp, from
+load_tests/llama_cpp_env.sh; by default only where that venv exists).
 Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8,
 60 MB in int4) do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN
 prepacked vs each quantized tactic.
@@ -22,12 +24,15 @@ import argparse
 import functools
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from load_tests.bench_offline import LLAMACPP_PYTHON
 from load_tests.machine import cpu_summary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,8 +104,8 @@ def quality(model: Path, max_tokens: int, only: set[str] | None = None) -> dict[
     runs["gguf_kv_int8"] = functools.partial(TorchRunner, quantization="gguf", kv_cache_dtype="int8")
     for q in ("int8", "int4"):  # the exported graph's MatMulNBits (build_engine/quantize_onnx.py)
         runs[f"onnxruntime_{q}"] = functools.partial(onnx_runner, quantization=q)
-    if only and (unknown := only - set(runs)):
-        raise SystemExit(f"--runs: no run named {sorted(unknown)} (known: {sorted(runs)})")
+    if only and (unknown := only - set(runs) - {"llamacpp"}):
+        raise SystemExit(f"--runs: no run named {sorted(unknown)} (known: {sorted([*runs, 'llamacpp'])})")
     for tactic, runner in runs.items():
         if only and tactic not in only:
             continue
@@ -110,7 +115,29 @@ def quality(model: Path, max_tokens: int, only: set[str] | None = None) -> dict[
         report[tactic] = {"perplexity": round(got["perplexity"], 4), "top1_agreement": round(statistics.fmean(agree), 4),
                           "max_abs_logit_error": round(error, 3)}
         print(f"  {tactic}: {report[tactic]}", flush=True)
+    if "llamacpp" in (only or ()) or (not only and LLAMACPP_PYTHON.exists()):
+        report["llamacpp"] = llamacpp_quality(model, text, prompts, greedy)
+        print(f"  llamacpp: {report['llamacpp']}", flush=True)
     return report
+
+
+def llamacpp_quality(model: Path, text: list[int], prompts: list[list[int]], greedy: list[list[int]]) -> dict:
+    """llama.cpp on the folder's GGUF, teacher-forced on the same ids (load_tests/llamacpp_quality.py)."""
+    from backend.engine.models.gguf_weights import gguf_file
+
+    if not LLAMACPP_PYTHON.exists():
+        raise SystemExit(f"{LLAMACPP_PYTHON} missing: run `bash load_tests/llama_cpp_env.sh` first")
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"gguf": str(gguf_file(model)), "threads": torch.get_num_threads(), "text": text,
+                                   "sequences": [p + g for p, g in zip(prompts, greedy)],
+                                   "starts": [len(p) for p in prompts]}))
+        subprocess.run([str(LLAMACPP_PYTHON), "-m", "load_tests.llamacpp_quality", "--job", str(job), "--out",
+                        str(out)], cwd=REPO, check=True)
+        got = json.loads(out.read_text())
+    agree = [statistics.fmean(a == b for a, b in zip(picks, g)) for picks, g in zip(got["argmax"], greedy)]
+    return {"perplexity": round(got["perplexity"], 4), "top1_agreement": round(statistics.fmean(agree), 4),
+            "llama_cpp": got["llama_cpp"]}
 
 
 def gemm_speed(layers: int = 30) -> dict[str, dict[int, float]]:

@@ -31,7 +31,7 @@ from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import write_gguf
 from tests.tiny_model import make_tiny_llama
 
-BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes per block
+BYTES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
 
@@ -47,7 +47,7 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
     raw[..., : 2 * halves] = rng.uniform(-2, 2, (rows, cols // values, halves)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(rows, -1)
     blocks = from_gguf(type_name, raw, rows, cols)
-    assert isinstance(blocks, Q8Blocks if type_name == "Q8_0" else Q4Blocks)
+    assert isinstance(blocks, Q8Blocks if type_name in ("Q8_0", "Q5_0") else Q4Blocks)
     if isinstance(blocks, Q4Blocks):
         assert blocks.q.max() <= 15
     expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols)
@@ -55,7 +55,7 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
 
 
 def test_only_the_stored_forms_are_read_as_blocks():
-    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q4_0, Q4_1, Q4_K are read as blocks, not Q6_K"):
+    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, Q4_0, Q4_1, Q4_K are read as blocks, not Q6_K"):
         from_gguf("Q6_K", np.zeros((1, 210), np.uint8), 1, 256)
 
 
@@ -83,9 +83,9 @@ def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_ggu
     assert_near(all_logits(runner), reference, 0.05, 0.85)
 
 
-# a Q4_K_M file as llama.cpp makes one: Q4_K, with Q6_K for attn_v and the output (and here the embedding), and
-# one more type (Q5_K) for ffn_down
-Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+# a Q4_K_M file as llama.cpp makes one: Q4_K (Q5_0 where a row is not whole 256-value blocks), with Q6_K for attn_v
+# and the output (and here the embedding), and one more type (Q5_K) for ffn_down
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
           "ffn_up": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q6_K", "output": "Q6_K"}
 
 
@@ -98,17 +98,20 @@ def tiny_q4_k_m(tmp_path_factory) -> Path:
 
 
 def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
-    """Its Q4_K Linears as blocks; the fused q/k/v (Q4_K beside Q6_K), the Q5_K down_proj and the Q6_K embedding and
-    lm_head as their float32 values, exactly the folder's; within the bounds above of float32 on the same values."""
+    """Its Q4_K and Q5_0 Linears as blocks; the fused q/k/v (Q4_K beside Q6_K), the Q5_K down_proj and the Q6_K
+    embedding and lm_head as their float32 values, exactly the folder's; within the bounds above of float32 on the
+    same values."""
     reference_runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, gemm_backend="aten")
     stored = load_gguf_linears(tiny_q4_k_m, reference_runner.model.cfg)
-    assert {name for name, w in stored.items() if isinstance(w, Q4Blocks)} == \
+    forms = {name: type(w) for name, w in stored.items()}
+    assert {name for name, form in forms.items() if form is not torch.Tensor} == \
         {f"layers.{i}.{n}" for i in range(2) for n in ("o_proj", "gate_up_proj")}
+    assert forms["layers.0.o_proj"] is Q8Blocks and forms["layers.0.gate_up_proj"] is Q4Blocks
     for name, weight in stored.items():
         assert torch.equal(as_float(weight), reference_runner.model.get_submodule(name).weight), name
     runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, quantization="gguf")
     tactics = {(s.out_features, s.in_features): t for s, t in runner.gemm_tactics.items()}
-    assert tactics[(1024, 256)] == tactics[(256, 256)] == "q4_1_w4a8"
+    assert tactics[(1024, 256)] == "q4_1_w4a8" and tactics[(256, 256)] in ("q8_0", "q8_0_w8a8")
     assert {tactics[(512, 256)], tactics[(256, 512)], tactics[(49152, 256)]} <= {"aten", "onednn"}
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
     assert_near(all_logits(runner), all_logits(reference_runner), 0.05, 0.85)

@@ -3,7 +3,9 @@ rounded at load from a float weight (`quantization: int8 | int4`), or decoded fr
 a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q6_K, Q5_K, F16, ...)
 is a float32 tensor of its dequantized values (`Weight`), served by the float tactics.
 
-- `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row.
+- `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row. Q5_0 (w ~ d (q - 16), q in
+  0..31) is q - 16 on scale d: exact, so a Q4_K_M file of a model whose rows are not whole 256-value blocks (llama.cpp
+  then falls back to Q5_0 for Q4_K) reaches the int8 kernels as stored.
 - `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
   m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
   so each GGUF 4-bit format reaches one kernel with its numbers unchanged.
@@ -43,7 +45,7 @@ class Q4Blocks:
 
 Blocks = Q8Blocks | Q4Blocks
 Weight = Blocks | torch.Tensor  # a float32 tensor: a GGUF type read as its dequantized values
-STORED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
+STORED = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
 
 
 def as_float(weight: Weight) -> torch.Tensor:
@@ -93,6 +95,11 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         b = data.reshape(rows, nb, 34)
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols).copy())
         return Q8Blocks(q, _half(b[..., :2]).contiguous())
+    if type_name == "Q5_0":  # per block: d f16, 32 fifth bits (uint32), 16 bytes of low nibbles
+        b = data.reshape(rows, nb, 22)
+        fifth = (np.ascontiguousarray(b[..., 2:6]).view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32)) & 1
+        q = (_nibbles(b[..., 6:]).astype(np.int16) | (fifth.astype(np.int16) << 4)) - 16
+        return Q8Blocks(torch.from_numpy(q.astype(np.int8).reshape(rows, cols)), _half(b[..., :2]).contiguous())
     if type_name in ("Q4_0", "Q4_1"):  # per block: d f16, (m f16), 16 bytes of nibbles
         b = data.reshape(rows, nb, 18 if type_name == "Q4_0" else 20)
         d = _half(b[..., :2])
