@@ -72,8 +72,9 @@ class CpuShare:
             return
         others = self.others()
         threads = max(1, min(self.max_threads, round(len(self.cpus) - others)))
-        if threads != self.threads:
-            log.info("other processes used %.1f of this engine's %d CPUs: the forward runs on %d of %d threads",
-                     others, len(self.cpus), threads, self.max_threads)
+        if threads != self.threads:  # fewer is worth a warning: something else runs on the engine's CPUs
+            log.log(logging.WARNING if threads < self.threads else logging.INFO,
+                    "other processes used %.1f of this engine's %d CPUs: the forward runs on %d of %d threads",
+                    others, len(self.cpus), threads, self.max_threads)
             torch.set_num_threads(threads)
             self.threads = threads
