@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import threading
@@ -227,7 +228,7 @@ def test_overload_answers_overloaded_and_serves_the_rest(server):
     with LLMClient(grpc_url(server)) as client:
         assert client.generate("Hi", max_tokens=8, ignore_eos=True, return_num_output_tokens=True) \
             .outputs["num_output_tokens"].reshape(-1)[0] == 8
-    wait_until_idle(server)
+    assert 1 <= wait_until_idle(server)["llm_cpu_threads"] <= os.cpu_count()  # runtime torch on the CPU sets them
 
 
 def _first_chunks_then(client: LLMClient, prompt: str, n: int, **options):

@@ -88,6 +88,7 @@ class EngineStats:
     lora_evictions: int = 0
     lora_requests: tuple[tuple[str, int], ...] = ()
     last_step: StepLoad = StepLoad()  # what the last step computed and what waited (Dynamo's forward-pass metrics)
+    cpu_threads: int = 0  # threads the CPU forward runs on now (cpu_share.py); 0: the engine does not set them
 
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
@@ -498,4 +499,5 @@ class LLMEngine:
             lora_evictions=self.loras.num_evictions,
             lora_requests=tuple(sorted(self.loras.requests.items())),
             last_step=self._last_step,
+            cpu_threads=self.cpu_share.threads if self.cpu_share is not None else 0,
         )

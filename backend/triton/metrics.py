@@ -68,6 +68,9 @@ class TritonMetrics(LoopObserver):
         self.heartbeat = metric("llm_engine_heartbeat_timestamp_seconds", "Unix time the engine loop last went "
                                 "round idle or after a step that did work (it stands still while a step runs or work "
                                 "waits that no step takes); 0: not yet reported; -1: the loop has died", fam.GAUGE)
+        self.cpu_threads = metric("llm_cpu_threads", "Threads the CPU forward runs on: fewer than it started with "
+                                  "while other processes use the engine's CPUs; 0: not runtime torch on the CPU",
+                                  fam.GAUGE)
         self._seen: dict[str, int] = {}  # the engine's running totals, as last added to their counters
 
     def on_step(self, s: EngineStats, step_seconds: float) -> None:
@@ -89,6 +92,7 @@ class TritonMetrics(LoopObserver):
                                     ("accepted", self.accepted_tokens, s.num_accepted_tokens)):
             self._add(key, counter, total)
         self.lora_resident.set(s.lora_resident)
+        self.cpu_threads.set(s.cpu_threads)
         self._add("lora_loads", self.lora_loads, s.lora_loads)
         self._add("lora_evictions", self.lora_evictions, s.lora_evictions)
         for name, total in s.lora_requests:
