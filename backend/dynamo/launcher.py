@@ -33,8 +33,8 @@ from pathlib import Path
 
 from backend.dynamo.control_plane import Planes, start_planes
 from backend.dynamo.hosts import Hosts
-from backend.serving.openmp_env import openmp_env
 from backend.serving.model_store import MODEL_NAME, resolve_model_dir
+from backend.serving.openmp_env import openmp_env
 
 ROUTER_MODES = ("kv", "round-robin", "random")
 DISCOVERY = ("file", "etcd")
