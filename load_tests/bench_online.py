@@ -22,8 +22,8 @@ is the serving overhead (an `ours@quantization=Q` system is held to the offline 
         [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--out results/online]
 
 Every system, the offline engine included, runs under the server's OpenMP environment: the launcher's
-defaults (GOMP_SPINCOUNT=10000) unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the serving overhead compares like
-with like.
+defaults (GOMP_SPINCOUNT=10000) unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the serving
+overhead compares like with like.
 
 Writes online.json, online.md and three PNGs (throughput, TTFT p99 vs rate, latency CDF) to --out.
 On a shared machine the numbers are indicative: each run records the load average around it.
