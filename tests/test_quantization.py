@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.models.weight_blocks import q4_1, q8_0
+from backend.engine.models.weight_blocks import Q8Blocks, from_gguf, q4_1, q8_0
 from backend.engine.runners import gemm
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
@@ -78,6 +79,25 @@ def test_q8_0_w8a8_is_exact_math_on_its_rounding_or_refused_without_vnni(m, n, k
     y = gemm.TACTICS["q8_0_w8a8"].prepare(w, None)(x)
     reference = q8_0(x).dequantize().double() @ q8_0(w).dequantize().double().T
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 960, 1536), (13, 49, 256), (64, 577, 512)])
+def test_the_q8_tactics_serve_a_scale_per_16_weights(m, n, k):
+    """Random GGUF Q6_K blocks (q - 32 on a scale per 16 weights, models/weight_blocks.py): q8_0 is exact math on
+    their values; q8_0_w8a8 on them times Q8_0-rounded activations, or is refused without AVX512-VNNI."""
+    rng = np.random.default_rng(m * n)
+    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:] = rng.uniform(-0.01, 0.01, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    blocks = from_gguf("Q6_K", raw.reshape(n, -1), n, k)
+    assert isinstance(blocks, Q8Blocks) and blocks.block == 16
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+    names = gemm.candidates(torch.float32, torch.device("cpu"), "int8", Q8Blocks)
+    assert "q8_0" in names and ("q8_0_w8a8" in names or "needs AVX512-VNNI" in gemm.why_not("q8_0_w8a8", torch.float32))
+    for tactic, rounded_x in (("q8_0", x), ("q8_0_w8a8", q8_0(x).dequantize())):
+        if tactic in names:
+            y = gemm.TACTICS[tactic].prepare(blocks, None)(x)
+            reference = rounded_x.double() @ blocks.dequantize().double().T
+            assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5, tactic
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 960, 576), (3, 7, 64), (16, 1536, 576), (13, 49, 96), (64, 3071, 576),

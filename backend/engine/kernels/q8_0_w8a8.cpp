@@ -1,7 +1,9 @@
 // y = x @ W^T in int8 arithmetic, llama.cpp's Q8_0 x Q8_0: W rounded per 32 weights along a row (as q8_linear.cpp),
 // and x rounded the same way per call, 32 values of a row per scale. A block's 32 products are exact in int32
 // (vpdpbusd, AVX512-VNNI); only the scales' product and the sum over blocks are float. 4 products per lane per
-// instruction, where the weight-only kernel does 1: prefill-sized steps run ~2x faster than float32.
+// instruction, where the weight-only kernel does 1: prefill-sized steps run ~2x faster than float32. W may have a
+// scale per 16 instead (a GGUF Q6_K's sub-blocks, models/weight_blocks.py): a block then sums two int32 dot products
+// in float, one per weight scale.
 //
 // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
 // 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
@@ -37,9 +39,10 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtsepi32_epi8(r1), offset));
 }
 
-template <int MR>
+template <int MR, int SUB>
 inline void microkernel(const uint8_t* xq, const float* xs, int64_t K, const int8_t* wp, const float* sp,
                         const int32_t* cp, float* y, int64_t ldy, int64_t cols, bool prefetch) {
+  constexpr int kGroups = kBlock / 4 / SUB;  // 4-k groups per weight scale
   const int64_t nb = K / kBlock;
   __m512 acc[MR];
 #pragma GCC unroll 16
@@ -49,40 +52,63 @@ inline void microkernel(const uint8_t* xq, const float* xs, int64_t K, const int
     if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's work
       for (int l = 0; l < kBlock * kPanel; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
-    __m512i dot[MR];
-    const __m512i comp = _mm512_loadu_si512(cp + b * kPanel);
+#pragma GCC unroll 2
+    for (int s = 0; s < SUB; ++s) {  // a weight scale per 32 / SUB values along K: a dot product each
+      __m512i dot[MR];
+      const __m512i comp = _mm512_loadu_si512(cp + (b * SUB + s) * kPanel);
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) dot[i] = comp;
+      for (int i = 0; i < MR; ++i) dot[i] = comp;
 #pragma GCC unroll 8
-    for (int g = 0; g < kBlock / 4; ++g) {
-      const __m512i w = _mm512_loadu_si512(wb + g * 4 * kPanel);
+      for (int g = s * kGroups; g < (s + 1) * kGroups; ++g) {
+        const __m512i w = _mm512_loadu_si512(wb + g * 4 * kPanel);
 #pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) {
-        int32_t four;
-        std::memcpy(&four, xq + i * K + b * kBlock + 4 * g, 4);
-        dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_set1_epi32(four), w);
+        for (int i = 0; i < MR; ++i) {
+          int32_t four;
+          std::memcpy(&four, xq + i * K + b * kBlock + 4 * g, 4);
+          dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_set1_epi32(four), w);
+        }
       }
-    }
-    const __m512 ws = _mm512_loadu_ps(sp + b * kPanel);
+      const __m512 ws = _mm512_loadu_ps(sp + (b * SUB + s) * kPanel);
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * nb + b])), acc[i]);
+      for (int i = 0; i < MR; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * nb + b])),
+                                 acc[i]);
+    }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);  // the last panel may be narrower
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
 }
 
-template <int MR>
+template <int MR, int SUB>
 inline void last_rows(const uint8_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* wp, const float* sp,
                       const int32_t* cp, float* y, int64_t N, int64_t cols, int64_t m) {
   if constexpr (MR > 0) {
     const int64_t nb = K / kBlock;
     if (M - m == MR)
-      microkernel<MR>(xq + m * K, xs + m * nb, K, wp, sp, cp, y + m * N, N, cols, m == 0);
+      microkernel<MR, SUB>(xq + m * K, xs + m * nb, K, wp, sp, cp, y + m * N, N, cols, m == 0);
     else
-      last_rows<MR - 1>(xq, xs, M, K, wp, sp, cp, y, N, cols, m);
+      last_rows<MR - 1, SUB>(xq, xs, M, K, wp, sp, cp, y, N, cols, m);
   }
+}
+
+// Every panel against every row of x; SUB weight scales per 32 values along K.
+template <int SUB>
+void panels(const uint8_t* pxq, const float* pxs, int64_t M, int64_t K, const int8_t* pw, const float* ps,
+            const int32_t* pc, float* py, int64_t N, int64_t num_panels) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
+    for (int64_t p = begin; p < end; ++p) {
+      const int8_t* wp = pw + p * K * kPanel;
+      const float* sp = ps + p * nb * SUB * kPanel;
+      const int32_t* cp = pc + p * nb * SUB * kPanel;
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows)
+        microkernel<kRows, SUB>(pxq + m * K, pxs + m * nb, K, wp, sp, cp, py + m * N + p * kPanel, N, cols, m == 0);
+      last_rows<kRows - 1, SUB>(pxq, pxs, M, K, wp, sp, cp, py + p * kPanel, N, cols, m);
+    }
+  });
 }
 #endif
 
@@ -91,14 +117,15 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "q8_0_w8a8_linear: x [M, K] float32 contiguous expected");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0), nb = K / kBlock;
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_panels = packed.size(0), nb = K / kBlock;
   TORCH_CHECK(K % kBlock == 0, "q8_0_w8a8_linear: in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
-              packed.size(1) == K / 4 && packed.size(2) == kPanel && packed.size(3) == 4 && panels * kPanel >= N,
+              packed.size(1) == K / 4 && packed.size(2) == kPanel && packed.size(3) == 4 && num_panels * kPanel >= N,
               "q8_0_w8a8_linear: weight packed [panels, K / 4, 16, 4] for in_features ", K, " expected");
-  TORCH_CHECK(scales.is_contiguous() && scales.sizes() == at::IntArrayRef({panels, nb, kPanel}) &&
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == num_panels &&
+              (scales.size(1) == nb || scales.size(1) == 2 * nb) && scales.size(2) == kPanel &&
               comp.is_contiguous() && comp.sizes() == scales.sizes() && comp.scalar_type() == at::kInt,
-              "q8_0_w8a8_linear: scales and comp [panels, K / 32, 16] expected");
+              "q8_0_w8a8_linear: scales and comp [panels, K / 32 or K / 16, 16] expected");
   auto xq = at::empty({M, K}, x.options().dtype(at::kByte));
   auto xs = at::empty({M, nb}, x.options());
   const float* px = x.data_ptr<float>();
@@ -111,19 +138,8 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   const int8_t* pw = packed.data_ptr<int8_t>();
   const float* ps = scales.data_ptr<float>();
   const int32_t* pc = comp.data_ptr<int32_t>();
-  float* py = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
-    for (int64_t p = begin; p < end; ++p) {
-      const int8_t* wp = pw + p * K * kPanel;
-      const float* sp = ps + p * nb * kPanel;
-      const int32_t* cp = pc + p * nb * kPanel;
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows)
-        microkernel<kRows>(pxq + m * K, pxs + m * nb, K, wp, sp, cp, py + m * N + p * kPanel, N, cols, m == 0);
-      last_rows<kRows - 1>(pxq, pxs, M, K, wp, sp, cp, py + p * kPanel, N, cols, m);
-    }
-  });
+  if (scales.size(1) == nb) panels<1>(pxq, pxs, M, K, pw, ps, pc, y.data_ptr<float>(), N, num_panels);
+  else panels<2>(pxq, pxs, M, K, pw, ps, pc, y.data_ptr<float>(), N, num_panels);
   return y;
 #else
   TORCH_CHECK(false, "q8_0_w8a8_linear: needs AVX512-VNNI (and AVX512BW), which this build's CPU lacks");

@@ -1,12 +1,13 @@
 // y = x @ W^T with W in llama.cpp's Q8_0 rounding: each run of 32 weights along a row is int8 with one float
-// scale (w ~ q * scale, scale = max|w| / 127). Weight-only: x stays float32, and each weight is widened to float in
-// registers (sign-extend, convert, times its block's scale) just before its multiply-adds, so the result is
-// x @ dequantized(W) up to the order of float sums, at any batch size.
+// scale (w ~ q * scale, scale = max|w| / 127), or each run of 16 (a GGUF Q6_K's sub-blocks, models/weight_blocks.py).
+// Weight-only: x stays float32, and each weight is widened to float in registers (sign-extend, convert, times its
+// block's scale) just before its multiply-adds, so the result is x @ dequantized(W) up to the order of float sums,
+// at any batch size.
 //
 // The weights are repacked at load into panels of 16 output channels, k-major ([K][16] int8, and [K/32][16] scales),
 // so the microkernel is a GEMM's outer product: per k, 16 widened weights (one AVX-512 vector, or two AVX2 ones)
-// times MR broadcast rows of x (12 with AVX-512's 32 registers, 6 with AVX2's 16). A decode step (one row) streams 4x fewer bytes than float32; larger steps reuse each widened weight
-// for MR rows and run at float FMA speed.
+// times MR broadcast rows of x (12 with AVX-512's 32 registers, 6 with AVX2's 16). A decode step (one row) streams
+// 4x fewer bytes than float32; larger steps reuse each widened weight for MR rows and run at float FMA speed.
 //
 // Measured against (AMD EPYC Zen 4, 2 threads, SmolLM2's layer shapes): an int8 x int8 dot product (activations
 // rounded per 32-block, llama.cpp's vec_dot_q8_0_q8_0 with vpdpbusd) was as fast at one row and 3x slower at 16
@@ -22,16 +23,16 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights per scale, along K
 constexpr int64_t kPanel = 16;  // output channels per panel
 
 // The packed form of a [N, K] weight: panels of kPanel channels (N padded with zero rows).
 at::Tensor pack_q8_0(const at::Tensor& q, const at::Tensor& scales, at::Tensor& packed_scales) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_q8_0: int8 [N, K] expected");
-  const int64_t N = q.size(0), K = q.size(1), panels = (N + kPanel - 1) / kPanel, nb = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0, "pack_q8_0: in_features must be a multiple of 32, got ", K);
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef({N, nb}) && scales.scalar_type() == at::kFloat,
-              "pack_q8_0: scales [N, K / 32] float32 expected");
+  const int64_t N = q.size(0), K = q.size(1), panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % 32 == 0, "pack_q8_0: in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && (scales.size(1) == K / 32 || scales.size(1) == K / 16) &&
+              scales.scalar_type() == at::kFloat, "pack_q8_0: scales [N, K / 32 or K / 16] float32 expected");
+  const int64_t nb = scales.size(1);
   auto padded = at::zeros({panels * kPanel, K}, q.options());
   padded.narrow(0, 0, N).copy_(q);
   auto padded_scales = at::zeros({panels * kPanel, nb}, scales.options());
@@ -49,7 +50,7 @@ inline __m512 widen(const int8_t* q, __m512 scale) {
                        scale);
 }
 
-template <int MR>
+template <int MR, int kBlock>
 inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t ldy,
                         int64_t cols, bool prefetch) {
   __m512 acc[MR];
@@ -78,7 +79,7 @@ inline __m256 widen(__m128i bytes, __m256 scale) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
 }
 
-template <int MR>
+template <int MR, int kBlock>
 inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t ldy,
                         int64_t cols, bool prefetch) {
   __m256 acc[MR][2];
@@ -110,21 +111,22 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
 }
 #endif
 
-template <int MR>
+template <int MR, int kBlock>
 inline void rows(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t N,
                  int64_t cols, int64_t m) {
   if constexpr (MR > 0) {
-    if (M - m == MR) microkernel<MR>(x + m * K, K, wp, sp, y + m * N, N, cols, m == 0);
-    else rows<MR - 1>(x, M, K, wp, sp, y, N, cols, m);
+    if (M - m == MR) microkernel<MR, kBlock>(x + m * K, K, wp, sp, y + m * N, N, cols, m == 0);
+    else rows<MR - 1, kBlock>(x, M, K, wp, sp, y, N, cols, m);
   }
 }
 
-// One panel against every row of x: the panel stays in L1 while x streams from L2.
+// One panel against every row of x: the panel stays in L1 while x streams from L2. kBlock weights per scale.
+template <int kBlock>
 void panel(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t N,
            int64_t cols) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) microkernel<kRows>(x + m * K, K, wp, sp, y + m * N, N, cols, m == 0);
-  rows<kRows - 1>(x, M, K, wp, sp, y, N, cols, m);  // the last M % kRows rows
+  for (; m + kRows <= M; m += kRows) microkernel<kRows, kBlock>(x + m * K, K, wp, sp, y + m * N, N, cols, m == 0);
+  rows<kRows - 1, kBlock>(x, M, K, wp, sp, y, N, cols, m);  // the last M % kRows rows
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
@@ -135,7 +137,10 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
               packed.size(1) == K && packed.size(2) == kPanel && panels * kPanel >= N,
               "q8_0_linear: weight packed by pack_q8_0 for in_features ", K, " expected");
-  TORCH_CHECK(packed_scales.is_contiguous() && packed_scales.size(0) == panels, "q8_0_linear: scales mismatch");
+  TORCH_CHECK(packed_scales.is_contiguous() && packed_scales.dim() == 3 && packed_scales.size(0) == panels &&
+              (packed_scales.size(1) == K / 32 || packed_scales.size(1) == K / 16), "q8_0_linear: scales mismatch");
+  const int64_t nb = packed_scales.size(1);
+  const auto run = nb == K / 32 ? &panel<32> : &panel<16>;
   auto y = at::empty({M, N}, x.options());
   const float* px = x.data_ptr<float>();
   const int8_t* pw = packed.data_ptr<int8_t>();
@@ -144,8 +149,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // Threads split the panels (each reads its share of W once).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      panel(px, M, K, pw + p * K * kPanel, ps + p * (K / kBlock) * kPanel, py + p * kPanel, N,
-            std::min(kPanel, N - p * kPanel));
+      run(px, M, K, pw + p * K * kPanel, ps + p * nb * kPanel, py + p * kPanel, N, std::min(kPanel, N - p * kPanel));
   });
   return y;
 }

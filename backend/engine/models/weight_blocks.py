@@ -1,11 +1,13 @@
 """Quantized Linear weights in llama.cpp's block forms, as the int8/int4 GEMM tactics read them (runners/gemm.py):
 rounded at load from a float weight (`quantization: int8 | int4`), or decoded from a GGUF file's own blocks without
-a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q6_K, Q5_K, F16, ...)
-is a float32 tensor of its dequantized values (`Weight`), served by the float tactics.
+a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q5_K, F16, ...) is a
+float32 tensor of its dequantized values (`Weight`), served by the float tactics.
 
 - `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row. Q5_0 (w ~ d (q - 16), q in
   0..31) is q - 16 on scale d: exact, so a Q4_K_M file of a model whose rows are not whole 256-value blocks (llama.cpp
-  then falls back to Q5_0 for Q4_K) reaches the int8 kernels as stored.
+  then falls back to Q5_0 for Q4_K) reaches the int8 kernels as stored. Q6_K (w ~ d * sc (q - 32) per 16, q in
+  0..63, sc int8, d float16) is q - 32 on a scale per 16 weights, d * sc: exact in float32 (11 + 7 bits), and so is
+  each weight, that times a 6-bit q.
 - `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
   m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
   so each GGUF 4-bit format reaches one kernel with its numbers unchanged.
@@ -13,6 +15,7 @@ is a float32 tensor of its dequantized values (`Weight`), served by the float ta
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,11 +28,20 @@ BLOCK = 32
 @dataclass(frozen=True)
 class Q8Blocks:
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K / 32]
+    scale: torch.Tensor  # float32 [N, K / 32], or [N, K / 16] (Q6_K)
+
+    @property
+    def block(self) -> int:
+        """Weights per scale along a row: 32, or 16."""
+        return self.q.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        return (self.q.float().reshape(n, -1, BLOCK) * self.scale[..., None]).reshape(n, k)
+        return (self.q.float().reshape(n, -1, self.block) * self.scale[..., None]).reshape(n, k)
+
+    def with_block(self, block: int) -> Q8Blocks:
+        """The same values with a scale per `block` (<= self.block) weights: each scale repeated."""
+        return Q8Blocks(self.q, self.scale.repeat_interleave(self.block // block, dim=1))
 
 
 @dataclass(frozen=True)
@@ -44,8 +56,20 @@ class Q4Blocks:
 
 
 Blocks = Q8Blocks | Q4Blocks
-Weight = Blocks | torch.Tensor  # a float32 tensor: a GGUF type read as its dequantized values
-STORED = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """A fused Linear's output channels in parts of different forms (a Q4_K_M's Q4_K q/k beside its Q6_K v): each
+    part is served by the tactics of its own form, and their outputs are concatenated (runners/gemm.py)."""
+    parts: tuple[Blocks | torch.Tensor, ...]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([as_float(p) for p in self.parts])
+
+
+Weight = Blocks | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
+STORED = ("Q8_0", "Q5_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
 
 
 def as_float(weight: Weight) -> torch.Tensor:
@@ -100,6 +124,16 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         fifth = (np.ascontiguousarray(b[..., 2:6]).view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32)) & 1
         q = (_nibbles(b[..., 6:]).astype(np.int16) | (fifth.astype(np.int16) << 4)) - 16
         return Q8Blocks(torch.from_numpy(q.astype(np.int8).reshape(rows, cols)), _half(b[..., :2]).contiguous())
+    if type_name == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d f16
+        b = data.reshape(rows, cols // 256, 210)
+        ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [half of 256][bytes 0-31 | 32-63]
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        low = np.stack([ql & 0x0F, ql >> 4], axis=3)  # values 32 j + l of a half: j = (nibble, byte run)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3
+        q = (low.reshape(rows, -1, 2, 4, 32) | (high << 4)).astype(np.int8) - 32
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+        scale = _half(b[..., 208:210])[..., None] * torch.from_numpy(sc)
+        return Q8Blocks(torch.from_numpy(q.reshape(rows, cols)), scale.reshape(rows, cols // 16).contiguous())
     if type_name in ("Q4_0", "Q4_1"):  # per block: d f16, (m f16), 16 bytes of nibbles
         b = data.reshape(rows, nb, 18 if type_name == "Q4_0" else 20)
         d = _half(b[..., :2])
@@ -121,7 +155,12 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
     raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
 
 
-def take_rows(blocks: Weight, index: torch.Tensor) -> Weight:
+def rows_of(weight: Blocks | torch.Tensor) -> int:
+    """Output channels."""
+    return (weight if isinstance(weight, torch.Tensor) else weight.q).shape[0]
+
+
+def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | torch.Tensor:
     """The same blocks with their output channels reordered (a row is whole blocks, so nothing is rounded)."""
     if isinstance(blocks, torch.Tensor):
         return blocks[index]
@@ -130,23 +169,27 @@ def take_rows(blocks: Weight, index: torch.Tensor) -> Weight:
     return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
 
 
-def cat_rows(parts: list[Weight]) -> Weight:
-    """Output channels stacked (q/k/v and gate/up are fused). Parts of different forms (a Q4_K_M file's Q4_K q/k
-    beside its Q6_K v) are stacked as their float32 values, which they keep exactly."""
-    kinds = {type(p) for p in parts}
-    kind = kinds.pop() if len(kinds) == 1 else torch.Tensor
-    if kind is Q8Blocks:
+def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
+    if isinstance(parts[0], Q8Blocks):  # Q8_0 / Q5_0 beside Q6_K: a scale per 16 for all
+        parts = [p.with_block(min(p.block for p in parts)) for p in parts]
         return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    if kind is Q4Blocks:
+    if isinstance(parts[0], Q4Blocks):
         return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
                         torch.cat([p.m for p in parts]))
-    return torch.cat([as_float(p) for p in parts])
+    return torch.cat(parts)
+
+
+def cat_rows(parts: list[Blocks | torch.Tensor]) -> Weight:
+    """Output channels stacked (q/k/v and gate/up are fused): each run of parts of one form joined, and runs of
+    different forms kept apart, in order (`Stacked`)."""
+    runs = [_cat_same(list(run)) for _, run in itertools.groupby(parts, key=type)]
+    return runs[0] if len(runs) == 1 else Stacked(tuple(runs))
 
 
 class BlockEmbedding(nn.Module):
     """An embedding table kept in its blocks (a GGUF's token_embd): the looked-up rows are dequantized."""
 
-    def __init__(self, blocks: Weight, dtype: torch.dtype):
+    def __init__(self, blocks: Blocks | torch.Tensor, dtype: torch.dtype):
         super().__init__()
         self.blocks, self.dtype = blocks, dtype
 

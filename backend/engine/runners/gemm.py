@@ -21,15 +21,16 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 
 Quantized tactics change the numbers, so they never race the float ones: with `quantization` set, the tactics of
 its weight form are the only candidates. Weights in llama.cpp's block forms (models/weight_blocks.py):
-- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row), activations float: the
-  weights widened to float in registers.
+- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row, or per 16: GGUF Q6_K),
+  activations float: the weights widened to float in registers.
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
   values of a row per scale), in int8 arithmetic (AVX512-VNNI only): llama.cpp's Q8_0 x Q8_0.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
 - `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32) times activations rounded to
   int8 per 32, in int8 arithmetic (AVX512-VNNI, or AVX2): llama.cpp's Q4_1 x Q8_1.
 `int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
-of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form.
+of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form (a fused one of
+mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths).
 Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
 the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
 (Q8_0: 88 %), since a few activation channels are far larger than the rest; `aten._weight_int4pack_mm_for_cpu`
@@ -54,7 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, Weight, q4_1, q8_0
+from backend.engine.models.weight_blocks import Blocks, Q4Blocks, Q8Blocks, Weight, q4_1, q8_0, rows_of
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
@@ -123,11 +124,11 @@ def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Ge
 
     cpu_kernels.load()
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
-    (n, k), q = blocks.q.shape, _panels(blocks.q)
+    (n, k), q, b = blocks.q.shape, _panels(blocks.q), blocks.block
     packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
     block_scales = _panels(blocks.scale).transpose(1, 2).contiguous()
     # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
-    comp = (-128 * q.view(-1, 16, k // 32, 32).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
+    comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
     return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_w8a8_linear(x, packed, block_scales, comp, n))
 
 
@@ -267,10 +268,11 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     return {k: v["choice"] for k, v in chosen.items()}
 
 
-def _form(quantization: str, name: str, stored: dict[str, Weight] | None) -> tuple[str, type | None]:
-    """(tactic quantization, stored block form) that serve Linear `name`; a stored float tensor is float's."""
+def _form(quantization: str, name: str, weight: Blocks | torch.Tensor) -> tuple[str, type | None]:
+    """(tactic quantization, stored block form) that serve `weight` of Linear `name`; a stored float tensor is
+    float's."""
     if quantization == "gguf":
-        return {Q8Blocks: ("int8", Q8Blocks), Q4Blocks: ("int4", Q4Blocks)}.get(type(stored[name]), ("none", None))
+        return {Q8Blocks: ("int8", Q8Blocks), Q4Blocks: ("int4", Q4Blocks)}.get(type(weight), ("none", None))
     if quantization == "int4" and name == "lm_head":
         return "int8", None
     return quantization, None
@@ -279,29 +281,40 @@ def _form(quantization: str, name: str, stored: dict[str, Weight] | None) -> tup
 def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none",
                 stored: dict[str, Weight] | None = None) -> dict[Shape, str]:
     """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from the `stored`
-    weight of its name; a tactic that keeps its own copy of the weight (packed, float32 or int8), and every stored
-    one, releases the module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its
-    own)."""
+    weight of its name (each part of a `Stacked` one its own tactic, the outputs concatenated); a tactic that keeps
+    its own copy of the weight (packed, float32 or int8), and every stored one, releases the module's. A forced
+    `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    shapes = {name: Shape(m.out_features, m.in_features, HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS)
-              for name, m in linears.items()}
-    forms = {name: _form(quantization, name, stored) for name in linears}
+    parts = {name: [m.weight] if stored is None else list(getattr(stored[name], "parts", [stored[name]]))
+             for name, m in linears.items()}
+    units = [(name, i) for name, weights in parts.items() for i in range(len(weights))]
+    shapes = {(name, i): Shape(rows_of(parts[name][i]), linears[name].in_features,
+                               HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS) for name, i in units}
+    forms = {(name, i): _form(quantization, name, parts[name][i]) for name, i in units}
     dtype = next(iter(linears.values())).weight.dtype
     forced = TACTICS[backend].quantization if backend in TACTICS else None
     served = {form[0] for form in forms.values()}
-    chosen: dict[str, str] = {}
+    chosen: dict[tuple[str, int], str] = {}
     for form in sorted(set(forms.values()), key=str):
-        names = [name for name in linears if forms[name] == form]
+        of_form = [unit for unit in units if forms[unit] == form]
         # a forced tactic serves its own form; one of no form served here goes to each, which refuses it by name
         own = backend if forced in (None, form[0]) or forced not in served else "auto"
-        picks = choose(sorted({shapes[n] for n in names}, key=lambda s: s.key), dtype, device, own, *form)
-        chosen.update({name: picks[shapes[name]] for name in names})
+        picks = choose(sorted({shapes[u] for u in of_form}, key=lambda s: s.key), dtype, device, own, *form)
+        chosen.update({unit: picks[shapes[unit]] for unit in of_form})
     for name, linear in linears.items():
-        tactic, weight = chosen[name], linear.weight if stored is None else stored[name]
-        linear.gemm = TACTICS[tactic].prepare(weight.to(dtype) if isinstance(weight, torch.Tensor) else weight,
-                                              linear.bias)
-        if tactic != "aten" or stored is not None:
+        gemms, first = [], 0
+        for i, weight in enumerate(parts[name]):
+            bias = None if linear.bias is None else linear.bias[first:first + rows_of(weight)]
+            first += rows_of(weight)
+            gemms.append(TACTICS[chosen[name, i]].prepare(
+                weight.to(dtype) if isinstance(weight, torch.Tensor) else weight, bias))
+        linear.gemm = gemms[0] if len(gemms) == 1 else functools.partial(_concatenated, gemms)
+        if chosen[name, 0] != "aten" or stored is not None:
             linear.weight = linear.bias = None
-    return {shapes[name]: tactic for name, tactic in chosen.items()}
+    return {shapes[unit]: tactic for unit, tactic in chosen.items()}
+
+
+def _concatenated(gemms: list[Gemm], x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gemm(x) for gemm in gemms], dim=-1)
