@@ -31,9 +31,9 @@ from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import HALF_SCALES, write_gguf
 from tests.tiny_model import make_tiny_llama
 
-BYTES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q4_1": (32, 20),
-         "Q4_K": (256, 144)}  # values, bytes
-HALVES = {"Q4_1": (0, 2), **HALF_SCALES}  # byte offsets of a block's float16 scales, where not just d first
+BYTES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210),
+         "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes
+HALVES = {"Q4_1": (0, 2), "Q5_1": (0, 2), **HALF_SCALES}  # byte offsets of a block's float16 scales, if not d first
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
 
@@ -49,7 +49,7 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
         raw[..., offset:offset + 2] = rng.uniform(-2, 2, (rows, cols // values, 1)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(rows, -1)
     blocks = from_gguf(type_name, raw, rows, cols)
-    assert isinstance(blocks, Q8Blocks if type_name in ("Q8_0", "Q5_0", "Q6_K") else Q4Blocks)
+    assert isinstance(blocks, Q8Blocks if type_name[:2] in ("Q8", "Q5", "Q6") else Q4Blocks)
     if isinstance(blocks, Q4Blocks):
         assert blocks.q.max() <= 15
     expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols)
@@ -57,9 +57,9 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
 
 
 def test_only_the_stored_forms_are_read_as_blocks():
-    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, Q6_K, Q4_0, Q4_1, Q4_K are read as blocks, not "
-                                         "Q5_K"):
-        from_gguf("Q5_K", np.zeros((1, 176), np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q4_0, Q4_1, Q4_K are read as "
+                                         "blocks, not Q3_K"):
+        from_gguf("Q3_K", np.zeros((1, 110), np.uint8), 1, 256)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,9 @@ def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_ggu
     assert_near(all_logits(runner), reference, 0.05, 0.85)
 
 
-# a Q4_K_M file as llama.cpp makes one: Q4_K (Q5_0 where a row is not whole 256-value blocks), with Q6_K for attn_v
-# and the output (and here the embedding), and one more type (Q5_K) for ffn_down
-Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
+# a Q4_K_M file as llama.cpp makes one: Q4_K, with Q6_K for attn_v and the output (and here the embedding); and types
+# of other files: Q5_K (a Q5_K_M's) for ffn_down, Q3_K (no kernel of ours) for attn_output
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q3_K", "ffn_gate": "Q4_K",
           "ffn_up": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q6_K", "output": "Q6_K"}
 
 
@@ -101,14 +101,15 @@ def tiny_q4_k_m(tmp_path_factory) -> Path:
 
 
 def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
-    """Its Q4_K, Q5_0 and Q6_K Linears (and embedding) as blocks, the fused q/k/v in two parts (Q4_K q/k, Q6_K v),
-    the Q5_K down_proj as its float32 values: each exactly the folder's weights, and served within the bounds above
-    of float32 on the same values."""
+    """Its Q4_K, Q5_K and Q6_K Linears (and embedding) as blocks, the fused q/k/v in two parts (Q4_K q/k, Q6_K v),
+    the Q3_K o_proj as its float32 values: each exactly the folder's weights, and served within the bounds above of
+    float32 on the same values."""
     reference_runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, gemm_backend="aten")
     stored = load_gguf_linears(tiny_q4_k_m, reference_runner.model.cfg)
     forms = {name: type(w) for name, w in stored.items()}
-    assert {name for name, form in forms.items() if form is torch.Tensor} == {f"layers.{i}.down_proj" for i in range(2)}
-    assert forms["layers.0.o_proj"] is Q8Blocks and forms["layers.0.gate_up_proj"] is Q4Blocks
+    assert {name for name, form in forms.items() if form is torch.Tensor} == {f"layers.{i}.o_proj" for i in range(2)}
+    assert forms["layers.0.down_proj"] is Q8Blocks and stored["layers.0.down_proj"].m is not None
+    assert forms["layers.0.gate_up_proj"] is Q4Blocks
     assert forms["lm_head"] is Q8Blocks and stored["lm_head"].block == 16
     assert forms["layers.0.qkv_proj"] is Stacked and [type(p) for p in stored["layers.0.qkv_proj"].parts] == \
         [Q4Blocks, Q8Blocks]
@@ -116,10 +117,10 @@ def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
         assert torch.equal(as_float(weight), reference_runner.model.get_submodule(name).weight), name
     runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, quantization="gguf")
     tactics = {(s.out_features, s.in_features): t for s, t in runner.gemm_tactics.items()}
-    # gate_up, q/k; o, v, lm_head; down
+    # gate_up, q/k; down, v, lm_head; o
     assert tactics[(1024, 256)] == tactics[(384, 256)] == "q4_1_w4a8"
-    assert {tactics[(256, 256)], tactics[(128, 256)], tactics[(49152, 256)]} <= {"q8_0", "q8_0_w8a8"}
-    assert tactics[(256, 512)] in ("aten", "onednn")
+    assert {tactics[(256, 512)], tactics[(128, 256)], tactics[(49152, 256)]} <= {"q8_0", "q8_0_w8a8"}
+    assert tactics[(256, 256)] in ("aten", "onednn")
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
     # 0.08 here (measured 0.054 / 95 %): the lm_head's activations are rounded too (q8_0 alone there: 0.044)
     assert_near(all_logits(runner), all_logits(reference_runner), 0.08, 0.85)

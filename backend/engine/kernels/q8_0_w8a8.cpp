@@ -3,7 +3,8 @@
 // (vpdpbusd, AVX512-VNNI); only the scales' product and the sum over blocks are float. 4 products per lane per
 // instruction, where the weight-only kernel does 1: prefill-sized steps run ~2x faster than float32. W may have a
 // scale per 16 instead (a GGUF Q6_K's sub-blocks, models/weight_blocks.py): a block then sums two int32 dot products
-// in float, one per weight scale.
+// in float, one per weight scale. Or a min per 32 as well (w ~ q * scale + min: GGUF Q5_1, Q5_K's sub-blocks): each
+// block adds min * sum(x), the sum of x's rounded values (llama.cpp's Q8_1 activations).
 //
 // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
 // 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
@@ -26,8 +27,8 @@ constexpr int64_t kPanel = 16;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
 
-// One block of 32 floats -> 32 bytes q + 128 and the block's scale (max|x| / 127); round half to even.
-inline void quantize_block(const float* x, uint8_t* q, float* scale) {
+// One block of 32 floats -> 32 bytes q + 128, the block's scale (max|x| / 127) and scale * sum(q); round half to even.
+inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scaled_sum) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   *scale = m / 127.f;
@@ -37,25 +38,34 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale) {
   const __m128i offset = _mm_set1_epi8(static_cast<char>(0x80));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(_mm512_cvtsepi32_epi8(r0), offset));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtsepi32_epi8(r1), offset));
+  *scaled_sum = *scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1)));
 }
 
-template <int MR, int SUB>
-inline void microkernel(const uint8_t* xq, const float* xs, int64_t K, const int8_t* wp, const float* sp,
-                        const int32_t* cp, float* y, int64_t ldy, int64_t cols, bool prefetch) {
+// Pointers to one panel: its weights, scales (and mins) and compensations, as `q8_0_w8a8_linear` takes them.
+struct Panel {
+  const int8_t* w;
+  const float* scales;
+  const float* mins;  // w ~ q * scale + min per 32 (a GGUF Q5_1 / Q5_K): min * sum(x) joins each block's sum
+  const int32_t* comp;
+};
+
+template <int MR, int SUB, bool MIN>
+inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, int64_t K, Panel p, float* y,
+                        int64_t ldy, int64_t cols, bool prefetch) {
   constexpr int kGroups = kBlock / 4 / SUB;  // 4-k groups per weight scale
   const int64_t nb = K / kBlock;
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* wb = wp + b * kBlock * kPanel;
+    const int8_t* wb = p.w + b * kBlock * kPanel;
     if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's work
       for (int l = 0; l < kBlock * kPanel; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
 #pragma GCC unroll 2
     for (int s = 0; s < SUB; ++s) {  // a weight scale per 32 / SUB values along K: a dot product each
       __m512i dot[MR];
-      const __m512i comp = _mm512_loadu_si512(cp + (b * SUB + s) * kPanel);
+      const __m512i comp = _mm512_loadu_si512(p.comp + (b * SUB + s) * kPanel);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) dot[i] = comp;
 #pragma GCC unroll 8
@@ -68,11 +78,16 @@ inline void microkernel(const uint8_t* xq, const float* xs, int64_t K, const int
           dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_set1_epi32(four), w);
         }
       }
-      const __m512 ws = _mm512_loadu_ps(sp + (b * SUB + s) * kPanel);
+      const __m512 ws = _mm512_loadu_ps(p.scales + (b * SUB + s) * kPanel);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * nb + b])),
                                  acc[i]);
+    }
+    if constexpr (MIN) {
+      const __m512 wm = _mm512_loadu_ps(p.mins + b * kPanel);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[i * nb + b]), acc[i]);
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);  // the last panel may be narrower
@@ -80,40 +95,40 @@ inline void microkernel(const uint8_t* xq, const float* xs, int64_t K, const int
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
 }
 
-template <int MR, int SUB>
-inline void last_rows(const uint8_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* wp, const float* sp,
-                      const int32_t* cp, float* y, int64_t N, int64_t cols, int64_t m) {
+template <int MR, int SUB, bool MIN>
+inline void last_rows(const uint8_t* xq, const float* xs, const float* xsum, int64_t M, int64_t K, Panel p, float* y,
+                      int64_t N, int64_t cols, int64_t m) {
   if constexpr (MR > 0) {
     const int64_t nb = K / kBlock;
     if (M - m == MR)
-      microkernel<MR, SUB>(xq + m * K, xs + m * nb, K, wp, sp, cp, y + m * N, N, cols, m == 0);
+      microkernel<MR, SUB, MIN>(xq + m * K, xs + m * nb, xsum + m * nb, K, p, y + m * N, N, cols, m == 0);
     else
-      last_rows<MR - 1, SUB>(xq, xs, M, K, wp, sp, cp, y, N, cols, m);
+      last_rows<MR - 1, SUB, MIN>(xq, xs, xsum, M, K, p, y, N, cols, m);
   }
 }
 
-// Every panel against every row of x; SUB weight scales per 32 values along K.
-template <int SUB>
-void panels(const uint8_t* pxq, const float* pxs, int64_t M, int64_t K, const int8_t* pw, const float* ps,
-            const int32_t* pc, float* py, int64_t N, int64_t num_panels) {
+// Every panel against every row of x; SUB weight scales per 32 values along K, and MIN: a min per 32 too.
+template <int SUB, bool MIN>
+void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
+            int64_t N, int64_t num_panels) {
   const int64_t nb = K / kBlock;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
     for (int64_t p = begin; p < end; ++p) {
-      const int8_t* wp = pw + p * K * kPanel;
-      const float* sp = ps + p * nb * SUB * kPanel;
-      const int32_t* cp = pc + p * nb * SUB * kPanel;
+      const Panel one{all.w + p * K * kPanel, all.scales + p * nb * SUB * kPanel,
+                      MIN ? all.mins + p * nb * kPanel : nullptr, all.comp + p * nb * SUB * kPanel};
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows)
-        microkernel<kRows, SUB>(pxq + m * K, pxs + m * nb, K, wp, sp, cp, py + m * N + p * kPanel, N, cols, m == 0);
-      last_rows<kRows - 1, SUB>(pxq, pxs, M, K, wp, sp, cp, py + p * kPanel, N, cols, m);
+        microkernel<kRows, SUB, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * nb, K, one, py + m * N + p * kPanel, N,
+                                     cols, m == 0);
+      last_rows<kRows - 1, SUB, MIN>(pxq, pxs, pxsum, M, K, one, py + p * kPanel, N, cols, m);
     }
   });
 }
 #endif
 
 at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& comp, int64_t out_features) {
+                            const at::Tensor& mins, const at::Tensor& comp, int64_t out_features) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "q8_0_w8a8_linear: x [M, K] float32 contiguous expected");
@@ -126,20 +141,27 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
               (scales.size(1) == nb || scales.size(1) == 2 * nb) && scales.size(2) == kPanel &&
               comp.is_contiguous() && comp.sizes() == scales.sizes() && comp.scalar_type() == at::kInt,
               "q8_0_w8a8_linear: scales and comp [panels, K / 32 or K / 16, 16] expected");
+  const bool with_mins = mins.numel() > 0;  // none: an empty tensor
+  TORCH_CHECK(!with_mins || (mins.is_contiguous() && mins.sizes() == at::IntArrayRef({num_panels, nb, kPanel}) &&
+                             mins.scalar_type() == at::kFloat),
+              "q8_0_w8a8_linear: mins [panels, K / 32, 16] float32 (a min per 32 weights) or empty expected");
   auto xq = at::empty({M, K}, x.options().dtype(at::kByte));
   auto xs = at::empty({M, nb}, x.options());
+  auto xsum = at::empty({M, nb}, x.options());
   const float* px = x.data_ptr<float>();
   uint8_t* pxq = xq.data_ptr<uint8_t>();
-  float* pxs = xs.data_ptr<float>();
+  float *pxs = xs.data_ptr<float>(), *pxsum = xsum.data_ptr<float>();
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i);
+    for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxsum + i);
   });
   auto y = at::empty({M, N}, x.options());
-  const int8_t* pw = packed.data_ptr<int8_t>();
-  const float* ps = scales.data_ptr<float>();
-  const int32_t* pc = comp.data_ptr<int32_t>();
-  if (scales.size(1) == nb) panels<1>(pxq, pxs, M, K, pw, ps, pc, y.data_ptr<float>(), N, num_panels);
-  else panels<2>(pxq, pxs, M, K, pw, ps, pc, y.data_ptr<float>(), N, num_panels);
+  const Panel all{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), with_mins ? mins.data_ptr<float>() : nullptr,
+                  comp.data_ptr<int32_t>()};
+  float* py = y.data_ptr<float>();
+  TORCH_CHECK(!with_mins || scales.size(1) == nb, "q8_0_w8a8_linear: mins with a scale per 16 are not served");
+  if (with_mins) panels<1, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+  else if (scales.size(1) == nb) panels<1, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+  else panels<2, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
   return y;
 #else
   TORCH_CHECK(false, "q8_0_w8a8_linear: needs AVX512-VNNI (and AVX512BW), which this build's CPU lacks");
@@ -149,7 +171,8 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor comp, int out_features) -> Tensor");
+  m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, int out_features) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("q8_0_w8a8_linear", &q8_0_w8a8_linear); }

@@ -1,5 +1,6 @@
 // y = x @ W^T with W in llama.cpp's Q8_0 rounding: each run of 32 weights along a row is int8 with one float
-// scale (w ~ q * scale, scale = max|w| / 127), or each run of 16 (a GGUF Q6_K's sub-blocks, models/weight_blocks.py).
+// scale (w ~ q * scale, scale = max|w| / 127), or each run of 16 (a GGUF Q6_K's sub-blocks, models/weight_blocks.py),
+// and may have a min as well (w ~ q * scale + min per 32: GGUF Q5_1, Q5_K's sub-blocks).
 // Weight-only: x stays float32, and each weight is widened to float in registers (sign-extend, convert, times its
 // block's scale) just before its multiply-adds, so the result is x @ dequantized(W) up to the order of float sums,
 // at any batch size.
@@ -44,25 +45,27 @@ at::Tensor pack_q8_0(const at::Tensor& q, const at::Tensor& scales, at::Tensor& 
 #ifdef __AVX512F__
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 accumulators of 16 floats
 
-// 16 int8 weights -> 16 floats, times their scales.
-inline __m512 widen(const int8_t* q, __m512 scale) {
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))),
-                       scale);
+// 16 int8 weights -> 16 floats, times their scales (plus their mins).
+template <bool MIN>
+inline __m512 widen(const int8_t* q, __m512 scale, __m512 min) {
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  return MIN ? _mm512_fmadd_ps(v, scale, min) : _mm512_mul_ps(v, scale);
 }
 
-template <int MR, int kBlock>
-inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t ldy,
-                        int64_t cols, bool prefetch) {
+template <int MR, int kBlock, bool MIN>
+inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float* sp, const float* mp, float* y,
+                        int64_t ldy, int64_t cols, bool prefetch) {
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const __m512 scale = _mm512_loadu_ps(sp + b * kPanel);
+    const __m512 min = MIN ? _mm512_loadu_ps(mp + b * kPanel) : _mm512_setzero_ps();
     if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's FMAs
       for (int l = 0; l < kBlock * kPanel; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T0);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-      const __m512 w = widen(wp + k * kPanel, scale);
+      const __m512 w = widen<MIN>(wp + k * kPanel, scale, min);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), w, acc[i]);
     }
@@ -74,25 +77,29 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
 #else
 constexpr int kRows = 6;  // rows of x per microkernel call: 12 accumulators of 8 floats (16 registers)
 
-// 8 int8 weights -> 8 floats, times their scales.
-inline __m256 widen(__m128i bytes, __m256 scale) {
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+// 8 int8 weights -> 8 floats, times their scales (plus their mins).
+template <bool MIN>
+inline __m256 widen(__m128i bytes, __m256 scale, __m256 min) {
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  return MIN ? _mm256_fmadd_ps(v, scale, min) : _mm256_mul_ps(v, scale);
 }
 
-template <int MR, int kBlock>
-inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t ldy,
-                        int64_t cols, bool prefetch) {
+template <int MR, int kBlock, bool MIN>
+inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float* sp, const float* mp, float* y,
+                        int64_t ldy, int64_t cols, bool prefetch) {
   __m256 acc[MR][2];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const __m256 s0 = _mm256_loadu_ps(sp + b * kPanel), s1 = _mm256_loadu_ps(sp + b * kPanel + 8);
+    const __m256 m0 = MIN ? _mm256_loadu_ps(mp + b * kPanel) : _mm256_setzero_ps();
+    const __m256 m1 = MIN ? _mm256_loadu_ps(mp + b * kPanel + 8) : _mm256_setzero_ps();
     if (prefetch)
       for (int l = 0; l < kBlock * kPanel; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T0);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + k * kPanel));
-      const __m256 w0 = widen(bytes, s0), w1 = widen(_mm_srli_si128(bytes, 8), s1);
+      const __m256 w0 = widen<MIN>(bytes, s0, m0), w1 = widen<MIN>(_mm_srli_si128(bytes, 8), s1, m1);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
@@ -111,26 +118,28 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
 }
 #endif
 
-template <int MR, int kBlock>
-inline void rows(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t N,
-                 int64_t cols, int64_t m) {
+template <int MR, int kBlock, bool MIN>
+inline void rows(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp, const float* mp, float* y,
+                 int64_t N, int64_t cols, int64_t m) {
   if constexpr (MR > 0) {
-    if (M - m == MR) microkernel<MR, kBlock>(x + m * K, K, wp, sp, y + m * N, N, cols, m == 0);
-    else rows<MR - 1, kBlock>(x, M, K, wp, sp, y, N, cols, m);
+    if (M - m == MR) microkernel<MR, kBlock, MIN>(x + m * K, K, wp, sp, mp, y + m * N, N, cols, m == 0);
+    else rows<MR - 1, kBlock, MIN>(x, M, K, wp, sp, mp, y, N, cols, m);
   }
 }
 
-// One panel against every row of x: the panel stays in L1 while x streams from L2. kBlock weights per scale.
-template <int kBlock>
-void panel(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp, float* y, int64_t N,
-           int64_t cols) {
+// One panel against every row of x: the panel stays in L1 while x streams from L2. kBlock weights per scale (and,
+// with MIN, per min).
+template <int kBlock, bool MIN>
+void panel(const float* x, int64_t M, int64_t K, const int8_t* wp, const float* sp, const float* mp, float* y,
+           int64_t N, int64_t cols) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) microkernel<kRows, kBlock>(x + m * K, K, wp, sp, y + m * N, N, cols, m == 0);
-  rows<kRows - 1, kBlock>(x, M, K, wp, sp, y, N, cols, m);  // the last M % kRows rows
+  for (; m + kRows <= M; m += kRows)
+    microkernel<kRows, kBlock, MIN>(x + m * K, K, wp, sp, mp, y + m * N, N, cols, m == 0);
+  rows<kRows - 1, kBlock, MIN>(x, M, K, wp, sp, mp, y, N, cols, m);  // the last M % kRows rows
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
-                       int64_t out_features) {
+                       const at::Tensor& packed_mins, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "q8_0_linear: x [M, K] float32 contiguous expected");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
@@ -140,7 +149,12 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(packed_scales.is_contiguous() && packed_scales.dim() == 3 && packed_scales.size(0) == panels &&
               (packed_scales.size(1) == K / 32 || packed_scales.size(1) == K / 16), "q8_0_linear: scales mismatch");
   const int64_t nb = packed_scales.size(1);
-  const auto run = nb == K / 32 ? &panel<32> : &panel<16>;
+  const bool with_mins = packed_mins.numel() > 0;  // none: an empty tensor
+  TORCH_CHECK(!with_mins || (packed_mins.is_contiguous() && packed_mins.sizes() == packed_scales.sizes() &&
+                             packed_mins.scalar_type() == at::kFloat && nb == K / 32),
+              "q8_0_linear: mins as the scales (a min per 32 weights) or empty expected");
+  const auto run = with_mins ? &panel<32, true> : nb == K / 32 ? &panel<32, false> : &panel<16, false>;
+  const float* pm = with_mins ? packed_mins.data_ptr<float>() : nullptr;
   auto y = at::empty({M, N}, x.options());
   const float* px = x.data_ptr<float>();
   const int8_t* pw = packed.data_ptr<int8_t>();
@@ -149,7 +163,8 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // Threads split the panels (each reads its share of W once).
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      run(px, M, K, pw + p * K * kPanel, ps + p * nb * kPanel, py + p * kPanel, N, std::min(kPanel, N - p * kPanel));
+      run(px, M, K, pw + p * K * kPanel, ps + p * nb * kPanel, with_mins ? pm + p * nb * kPanel : nullptr,
+          py + p * kPanel, N, std::min(kPanel, N - p * kPanel));
   });
   return y;
 }
@@ -164,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor> pack(const at::Tensor& q, const at::Tensor& s
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("q8_0_pack(Tensor weight, Tensor scales) -> (Tensor, Tensor)");
-  m.def("q8_0_linear(Tensor x, Tensor packed, Tensor packed_scales, int out_features) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor packed_mins, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {

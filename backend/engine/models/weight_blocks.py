@@ -1,13 +1,14 @@
 """Quantized Linear weights in llama.cpp's block forms, as the int8/int4 GEMM tactics read them (runners/gemm.py):
 rounded at load from a float weight (`quantization: int8 | int4`), or decoded from a GGUF file's own blocks without
-a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q5_K, F16, ...) is a
+a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q3_K, F16, ...) is a
 float32 tensor of its dequantized values (`Weight`), served by the float tactics.
 
 - `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row. Q5_0 (w ~ d (q - 16), q in
   0..31) is q - 16 on scale d: exact, so a Q4_K_M file of a model whose rows are not whole 256-value blocks (llama.cpp
   then falls back to Q5_0 for Q4_K) reaches the int8 kernels as stored. Q6_K (w ~ d * sc (q - 32) per 16, q in
   0..63, sc int8, d float16) is q - 32 on a scale per 16 weights, d * sc: exact in float32 (11 + 7 bits), and so is
-  each weight, that times a 6-bit q.
+  each weight, that times a 6-bit q. With a min per 32 (w ~ q * scale + m, q in 0..31): Q5_1, and Q5_K's 32-weight
+  sub-blocks (scale = d * scale6, m = -dmin * min6, as Q4_K's).
 - `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
   m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
   so each GGUF 4-bit format reaches one kernel with its numbers unchanged.
@@ -29,6 +30,7 @@ BLOCK = 32
 class Q8Blocks:
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32], or [N, K / 16] (Q6_K)
+    m: torch.Tensor | None = None  # float32 [N, K / 32] (Q5_1, Q5_K)
 
     @property
     def block(self) -> int:
@@ -37,11 +39,8 @@ class Q8Blocks:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        return (self.q.float().reshape(n, -1, self.block) * self.scale[..., None]).reshape(n, k)
-
-    def with_block(self, block: int) -> Q8Blocks:
-        """The same values with a scale per `block` (<= self.block) weights: each scale repeated."""
-        return Q8Blocks(self.q, self.scale.repeat_interleave(self.block // block, dim=1))
+        w = self.q.float().reshape(n, -1, self.block) * self.scale[..., None]
+        return (w if self.m is None else w + self.m[..., None]).reshape(n, k)
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class Stacked:
 
 
 Weight = Blocks | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
-STORED = ("Q8_0", "Q5_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
+STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
 
 
 def as_float(weight: Weight) -> torch.Tensor:
@@ -107,6 +106,23 @@ def _half(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes, a little-endian uint32 -> [..., 32] bits, value i's at bit i."""
+    return (np.ascontiguousarray(qh).view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32)) & 1
+
+
+def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K / Q5_K super-block's leading 16 bytes (d, dmin float16, 12 bytes of 6-bit scales and mins) -> the
+    (scale, m) of its 8 sub-blocks of 32: d * scale6 and -dmin * min6, each exact in float32."""
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    s = b[..., 4:16].astype(np.uint8)
+    lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scale6 = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    min6 = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    return d[..., None] * torch.from_numpy(scale6.astype(np.float32)), \
+        -(dmin[..., None] * torch.from_numpy(min6.astype(np.float32)))
+
+
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes -> [..., 32]: the low nibbles are the first 16 values, the high ones the next 16."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
@@ -119,11 +135,12 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         b = data.reshape(rows, nb, 34)
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, cols).copy())
         return Q8Blocks(q, _half(b[..., :2]).contiguous())
-    if type_name == "Q5_0":  # per block: d f16, 32 fifth bits (uint32), 16 bytes of low nibbles
-        b = data.reshape(rows, nb, 22)
-        fifth = (np.ascontiguousarray(b[..., 2:6]).view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32)) & 1
-        q = (_nibbles(b[..., 6:]).astype(np.int16) | (fifth.astype(np.int16) << 4)) - 16
-        return Q8Blocks(torch.from_numpy(q.astype(np.int8).reshape(rows, cols)), _half(b[..., :2]).contiguous())
+    if type_name in ("Q5_0", "Q5_1"):  # per block: d f16, (m f16), 32 fifth bits (uint32), 16 bytes of nibbles
+        b = data.reshape(rows, nb, 22 if type_name == "Q5_0" else 24)
+        q = _nibbles(b[..., -16:]) | (_fifth_bits(b[..., -20:-16]).astype(np.uint8) << 4)
+        if type_name == "Q5_0":
+            return Q8Blocks(torch.from_numpy((q.astype(np.int8) - 16).reshape(rows, cols)), _half(b[..., :2]))
+        return Q8Blocks(torch.from_numpy(q.astype(np.int8).reshape(rows, cols)), _half(b[..., :2]), _half(b[..., 2:4]))
     if type_name == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d f16
         b = data.reshape(rows, cols // 256, 210)
         ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [half of 256][bytes 0-31 | 32-63]
@@ -140,18 +157,15 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         m = -8 * d if type_name == "Q4_0" else _half(b[..., 2:4])
         q = torch.from_numpy(_nibbles(b[..., -16:]).reshape(rows, cols))
         return Q4Blocks(q, d.contiguous(), m.contiguous())
-    if type_name == "Q4_K":  # per 256: d f16, dmin f16, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-        b = data.reshape(rows, cols // 256, 144)
-        d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
-        s = b[..., 4:16].astype(np.uint8)
-        lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-        scale6 = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-        min6 = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
-        qs = b[..., 16:].reshape(rows, cols // 256, 4, 32)  # 64 values per 32 bytes: low nibbles, then high
-        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
-        sub_d = d[..., None] * torch.from_numpy(scale6.astype(np.float32))
-        sub_m = -(dmin[..., None] * torch.from_numpy(min6.astype(np.float32)))
-        return Q4Blocks(torch.from_numpy(q), sub_d.reshape(rows, nb).contiguous(), sub_m.reshape(rows, nb).contiguous())
+    if type_name in ("Q4_K", "Q5_K"):  # per 256: d, dmin, 6-bit scales/mins (16 bytes), (32 bytes of fifth bits),
+        b = data.reshape(rows, cols // 256, 144 if type_name == "Q4_K" else 176)  # 128 bytes of nibbles
+        scale, m = (t.reshape(rows, nb).contiguous() for t in _k_scales(b))
+        qs = b[..., -128:].reshape(rows, cols // 256, 4, 32)  # 64 values per 32 bytes: low nibbles, then high
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols // 256, 8, 32)
+        if type_name == "Q4_K":
+            return Q4Blocks(torch.from_numpy(q.reshape(rows, cols)), scale, m)
+        fifth = (b[..., 16:48].reshape(rows, cols // 256, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        return Q8Blocks(torch.from_numpy((q | (fifth << 4)).astype(np.int8).reshape(rows, cols)), scale, m)
     raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
 
 
@@ -165,14 +179,21 @@ def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | to
     if isinstance(blocks, torch.Tensor):
         return blocks[index]
     if isinstance(blocks, Q8Blocks):
-        return Q8Blocks(blocks.q[index], blocks.scale[index])
+        return Q8Blocks(blocks.q[index], blocks.scale[index], None if blocks.m is None else blocks.m[index])
     return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
 
 
+def _form(weight: Blocks | torch.Tensor) -> tuple:
+    """Parts of one form are served as one weight: the same class, and for Q8Blocks the same block and min or none."""
+    if isinstance(weight, Q8Blocks):
+        return Q8Blocks, weight.block, weight.m is None
+    return (type(weight),)
+
+
 def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
-    if isinstance(parts[0], Q8Blocks):  # Q8_0 / Q5_0 beside Q6_K: a scale per 16 for all
-        parts = [p.with_block(min(p.block for p in parts)) for p in parts]
-        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    if isinstance(parts[0], Q8Blocks):
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), m)
     if isinstance(parts[0], Q4Blocks):
         return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
                         torch.cat([p.m for p in parts]))
@@ -182,7 +203,7 @@ def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
 def cat_rows(parts: list[Blocks | torch.Tensor]) -> Weight:
     """Output channels stacked (q/k/v and gate/up are fused): each run of parts of one form joined, and runs of
     different forms kept apart, in order (`Stacked`)."""
-    runs = [_cat_same(list(run)) for _, run in itertools.groupby(parts, key=type)]
+    runs = [_cat_same(list(run)) for _, run in itertools.groupby(parts, key=_form)]
     return runs[0] if len(runs) == 1 else Stacked(tuple(runs))
 
 

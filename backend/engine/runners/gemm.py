@@ -21,8 +21,8 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 
 Quantized tactics change the numbers, so they never race the float ones: with `quantization` set, the tactics of
 its weight form are the only candidates. Weights in llama.cpp's block forms (models/weight_blocks.py):
-- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row, or per 16: GGUF Q6_K),
-  activations float: the weights widened to float in registers.
+- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row, or per 16: GGUF Q6_K;
+  or a scale and a min per 32: GGUF Q5_1, Q5_K), activations float: the weights widened to float in registers.
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
   values of a row per scale), in int8 arithmetic (AVX512-VNNI only): llama.cpp's Q8_0 x Q8_0.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
@@ -104,8 +104,8 @@ def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     cpu_kernels.load()
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
     packed, scales = torch.ops.llm_kernels.q8_0_pack(blocks.q, blocks.scale)
-    n = blocks.q.shape[0]
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_linear(x, packed, scales, n))
+    n, mins = blocks.q.shape[0], _panel_major(blocks.m)
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_linear(x, packed, scales, mins, n))
 
 
 def _aten_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
@@ -119,6 +119,11 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(panels * 16 - t.shape[0], *t.shape[1:])]).view(panels, 16, *t.shape[1:])
 
 
+def _panel_major(t: torch.Tensor | None) -> torch.Tensor:
+    """Per-block values [N, blocks] -> [panels, blocks, 16], as the kernels read scales and mins; None -> empty."""
+    return torch.empty(0) if t is None else _panels(t).transpose(1, 2).contiguous()
+
+
 def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
@@ -126,10 +131,10 @@ def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Ge
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
     (n, k), q, b = blocks.q.shape, _panels(blocks.q), blocks.block
     packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
-    block_scales = _panels(blocks.scale).transpose(1, 2).contiguous()
+    scales, mins = _panel_major(blocks.scale), _panel_major(blocks.m)
     # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
     comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_w8a8_linear(x, packed, block_scales, comp, n))
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_w8a8_linear(x, packed, scales, mins, comp, n))
 
 
 def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Gemm:
@@ -141,7 +146,7 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
     # per block: 4 groups of [16 channels][4 k]; a byte holds k = 4g + j (low nibble) and 16 + 4g + j (high)
     q = q.view(-1, 16, k // 32, 2, 4, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256).contiguous()
-    d, m = (_panels(t).transpose(1, 2).contiguous() for t in (blocks.d, blocks.m))
+    d, m = _panel_major(blocks.d), _panel_major(blocks.m)
     return _float_bias(bias, lambda x: torch.ops.llm_kernels.q4_1_w4a8_linear(x, packed, d, m, n))
 
 
