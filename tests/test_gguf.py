@@ -31,8 +31,9 @@ from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import HALF_SCALES, write_gguf
 from tests.tiny_model import make_tiny_llama
 
-BYTES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210),
-         "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}  # values, bytes
+BYTES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210),  # values,
+         "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q3_K": (256, 110), "Q2_K": (256, 84),  # bytes
+         "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 HALVES = {"Q4_1": (0, 2), "Q5_1": (0, 2), **HALF_SCALES}  # byte offsets of a block's float16 scales, if not d first
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
@@ -49,7 +50,7 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
         raw[..., offset:offset + 2] = rng.uniform(-2, 2, (rows, cols // values, 1)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(rows, -1)
     blocks = from_gguf(type_name, raw, rows, cols)
-    assert isinstance(blocks, Q8Blocks if type_name[:2] in ("Q8", "Q5", "Q6") else Q4Blocks)
+    assert isinstance(blocks, Q4Blocks if type_name.startswith("Q4") else Q8Blocks)
     if isinstance(blocks, Q4Blocks):
         assert blocks.q.max() <= 15
     expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols)
@@ -57,9 +58,8 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
 
 
 def test_only_the_stored_forms_are_read_as_blocks():
-    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q4_0, Q4_1, Q4_K are read as "
-                                         "blocks, not Q3_K"):
-        from_gguf("Q3_K", np.zeros((1, 110), np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, .*, IQ4_XS are read as blocks, not IQ2_XS"):
+        from_gguf("IQ2_XS", np.zeros((1, 74), np.uint8), 1, 256)
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,9 @@ def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_ggu
 
 
 # a Q4_K_M file as llama.cpp makes one: Q4_K, with Q6_K for attn_v and the output (and here the embedding); and types
-# of other files: Q5_K (a Q5_K_M's) for ffn_down, Q3_K (no kernel of ours) for attn_output
-Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q3_K", "ffn_gate": "Q4_K",
-          "ffn_up": "Q4_K", "ffn_down": "Q5_K", "token_embd": "Q6_K", "output": "Q6_K"}
+# of other files: Q5_K (a Q5_K_M's) for ffn_up, Q2_K for ffn_down, F16 (no kernel of ours) for attn_output
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "F16", "ffn_gate": "Q4_K",
+          "ffn_up": "Q5_K", "ffn_down": "Q2_K", "token_embd": "Q6_K", "output": "Q6_K"}
 
 
 @pytest.fixture(scope="module")
@@ -101,29 +101,31 @@ def tiny_q4_k_m(tmp_path_factory) -> Path:
 
 
 def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
-    """Its Q4_K, Q5_K and Q6_K Linears (and embedding) as blocks, the fused q/k/v in two parts (Q4_K q/k, Q6_K v),
-    the Q3_K o_proj as its float32 values: each exactly the folder's weights, and served within the bounds above of
-    float32 on the same values."""
+    """Its K-quant Linears (and embedding) as blocks, the fused q/k/v (Q4_K q/k, Q6_K v) and gate/up (Q4_K, Q5_K) in
+    two parts each, the F16 o_proj as its float32 values: each exactly the folder's weights, and served within the
+    bounds above of float32 on the same values."""
     reference_runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, gemm_backend="aten")
     stored = load_gguf_linears(tiny_q4_k_m, reference_runner.model.cfg)
     forms = {name: type(w) for name, w in stored.items()}
     assert {name for name, form in forms.items() if form is torch.Tensor} == {f"layers.{i}.o_proj" for i in range(2)}
-    assert forms["layers.0.down_proj"] is Q8Blocks and stored["layers.0.down_proj"].m is not None
-    assert forms["layers.0.gate_up_proj"] is Q4Blocks
-    assert forms["lm_head"] is Q8Blocks and stored["lm_head"].block == 16
-    assert forms["layers.0.qkv_proj"] is Stacked and [type(p) for p in stored["layers.0.qkv_proj"].parts] == \
-        [Q4Blocks, Q8Blocks]
+    down, lm_head = stored["layers.0.down_proj"], stored["lm_head"]
+    assert isinstance(down, Q8Blocks) and down.block == 16 and down.m is not None
+    assert isinstance(lm_head, Q8Blocks) and lm_head.block == 16 and lm_head.m is None
+    for fused in ("qkv_proj", "gate_up_proj"):
+        assert forms[f"layers.0.{fused}"] is Stacked
+        assert [type(p) for p in stored[f"layers.0.{fused}"].parts] == [Q4Blocks, Q8Blocks]
     for name, weight in stored.items():
         assert torch.equal(as_float(weight), reference_runner.model.get_submodule(name).weight), name
     runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, quantization="gguf")
     tactics = {(s.out_features, s.in_features): t for s, t in runner.gemm_tactics.items()}
-    # gate_up, q/k; down, v, lm_head; o
-    assert tactics[(1024, 256)] == tactics[(384, 256)] == "q4_1_w4a8"
+    # gate, q/k; up, down, v, lm_head; o
+    assert tactics[(384, 256)] == "q4_1_w4a8"
     assert {tactics[(256, 512)], tactics[(128, 256)], tactics[(49152, 256)]} <= {"q8_0", "q8_0_w8a8"}
     assert tactics[(256, 256)] in ("aten", "onednn")
     assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
-    # 0.08 here (measured 0.054 / 95 %): the lm_head's activations are rounded too (q8_0 alone there: 0.044)
-    assert_near(all_logits(runner), all_logits(reference_runner), 0.08, 0.85)
+    # 0.08 / 80 % here (measured 0.046 / 86 %): this random model's logits have near-ties (the median gap between its
+    # top two is 0.41, against a spread of 8), and most flips of the argmax are at such gaps
+    assert_near(all_logits(runner), all_logits(reference_runner), 0.08, 0.80)
     engine = LLMEngine(EngineConfig.create(model=str(tiny_q4_k_m), quantization="gguf"))
     [out] = engine.generate([TOKENS[:20]], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
@@ -168,9 +170,8 @@ def test_the_process_holds_the_file_not_its_float_copy():
 
 
 def test_a_bfloat16_model_serves_a_gguf_within_the_same_bounds(tiny_q4_k_m):
-    """bfloat16: the blocks' kernels compute in float32 and round their outputs, the float-form tensors (Q5_K) are
-    rounded to bfloat16; against bfloat16 on the same values (measured 0.058 / 94 %; bfloat16 against float32 alone
-    is 0.054 / 96 % here)."""
+    """bfloat16: the blocks' kernels compute in float32 and round their outputs, the float-form tensors (F16) are
+    rounded to bfloat16; against bfloat16 on the same values (measured 0.050 / 88 %)."""
     reference = all_logits(TorchRunner(tiny_q4_k_m, "bfloat16", 64, 16, gemm_backend="aten"))
     runner = TorchRunner(tiny_q4_k_m, "bfloat16", 64, 16, quantization="gguf")
     assert "q4_1_w4a8" in runner.gemm_tactics.values()

@@ -21,7 +21,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 # byte offsets of the float16 scales (d, dmin) in a block of the types gguf-py cannot quantize (llama.cpp's structs)
-HALF_SCALES = {"Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+HALF_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
 
 
 def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:

@@ -3,8 +3,8 @@
 // (vpdpbusd, AVX512-VNNI); only the scales' product and the sum over blocks are float. 4 products per lane per
 // instruction, where the weight-only kernel does 1: prefill-sized steps run ~2x faster than float32. W may have a
 // scale per 16 instead (a GGUF Q6_K's sub-blocks, models/weight_blocks.py): a block then sums two int32 dot products
-// in float, one per weight scale. Or a min per 32 as well (w ~ q * scale + min: GGUF Q5_1, Q5_K's sub-blocks): each
-// block adds min * sum(x), the sum of x's rounded values (llama.cpp's Q8_1 activations).
+// in float, one per weight scale. Or a min per scale as well (w ~ q * scale + min: GGUF Q5_1, Q5_K, Q2_K): each
+// adds min * sum(x), the sum of x's rounded values (llama.cpp's Q8_1 activations).
 //
 // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
 // 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
@@ -27,8 +27,9 @@ constexpr int64_t kPanel = 16;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
 
-// One block of 32 floats -> 32 bytes q + 128, the block's scale (max|x| / 127) and scale * sum(q); round half to even.
-inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scaled_sum) {
+// One block of 32 floats -> 32 bytes q + 128, the block's scale (max|x| / 127) and scale * sum(q) of each 16 values;
+// round half to even.
+inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scaled_sums) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   *scale = m / 127.f;
@@ -38,14 +39,15 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scal
   const __m128i offset = _mm_set1_epi8(static_cast<char>(0x80));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(_mm512_cvtsepi32_epi8(r0), offset));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtsepi32_epi8(r1), offset));
-  *scaled_sum = *scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1)));
+  scaled_sums[0] = *scale * static_cast<float>(_mm512_reduce_add_epi32(r0));
+  scaled_sums[1] = *scale * static_cast<float>(_mm512_reduce_add_epi32(r1));
 }
 
 // Pointers to one panel: its weights, scales (and mins) and compensations, as `q8_0_w8a8_linear` takes them.
 struct Panel {
   const int8_t* w;
   const float* scales;
-  const float* mins;  // w ~ q * scale + min per 32 (a GGUF Q5_1 / Q5_K): min * sum(x) joins each block's sum
+  const float* mins;  // w ~ q * scale + min (GGUF Q5_1, Q5_K, Q2_K), as the scales: min * sum(x) joins the sum
   const int32_t* comp;
 };
 
@@ -83,11 +85,14 @@ inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, i
       for (int i = 0; i < MR; ++i)
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * nb + b])),
                                  acc[i]);
-    }
-    if constexpr (MIN) {
-      const __m512 wm = _mm512_loadu_ps(p.mins + b * kPanel);
+      if constexpr (MIN) {
+        const __m512 wm = _mm512_loadu_ps(p.mins + (b * SUB + s) * kPanel);
 #pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[i * nb + b]), acc[i]);
+        for (int i = 0; i < MR; ++i) {
+          const float* sums = xsum + i * 2 * nb + 2 * b;  // x's rounded sums per 16
+          acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(SUB == 2 ? sums[s] : sums[0] + sums[1]), acc[i]);
+        }
+      }
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);  // the last panel may be narrower
@@ -101,13 +106,13 @@ inline void last_rows(const uint8_t* xq, const float* xs, const float* xsum, int
   if constexpr (MR > 0) {
     const int64_t nb = K / kBlock;
     if (M - m == MR)
-      microkernel<MR, SUB, MIN>(xq + m * K, xs + m * nb, xsum + m * nb, K, p, y + m * N, N, cols, m == 0);
+      microkernel<MR, SUB, MIN>(xq + m * K, xs + m * nb, xsum + m * 2 * nb, K, p, y + m * N, N, cols, m == 0);
     else
       last_rows<MR - 1, SUB, MIN>(xq, xs, xsum, M, K, p, y, N, cols, m);
   }
 }
 
-// Every panel against every row of x; SUB weight scales per 32 values along K, and MIN: a min per 32 too.
+// Every panel against every row of x; SUB weight scales per 32 values along K, and with MIN as many mins.
 template <int SUB, bool MIN>
 void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
             int64_t N, int64_t num_panels) {
@@ -115,12 +120,12 @@ void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M,
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
     for (int64_t p = begin; p < end; ++p) {
       const Panel one{all.w + p * K * kPanel, all.scales + p * nb * SUB * kPanel,
-                      MIN ? all.mins + p * nb * kPanel : nullptr, all.comp + p * nb * SUB * kPanel};
+                      MIN ? all.mins + p * nb * SUB * kPanel : nullptr, all.comp + p * nb * SUB * kPanel};
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows)
-        microkernel<kRows, SUB, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * nb, K, one, py + m * N + p * kPanel, N,
-                                     cols, m == 0);
+        microkernel<kRows, SUB, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * 2 * nb, K, one, py + m * N + p * kPanel,
+                                     N, cols, m == 0);
       last_rows<kRows - 1, SUB, MIN>(pxq, pxs, pxsum, M, K, one, py + p * kPanel, N, cols, m);
     }
   });
@@ -142,25 +147,26 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
               comp.is_contiguous() && comp.sizes() == scales.sizes() && comp.scalar_type() == at::kInt,
               "q8_0_w8a8_linear: scales and comp [panels, K / 32 or K / 16, 16] expected");
   const bool with_mins = mins.numel() > 0;  // none: an empty tensor
-  TORCH_CHECK(!with_mins || (mins.is_contiguous() && mins.sizes() == at::IntArrayRef({num_panels, nb, kPanel}) &&
+  TORCH_CHECK(!with_mins || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
                              mins.scalar_type() == at::kFloat),
-              "q8_0_w8a8_linear: mins [panels, K / 32, 16] float32 (a min per 32 weights) or empty expected");
+              "q8_0_w8a8_linear: mins as the scales (float32) or empty expected");
   auto xq = at::empty({M, K}, x.options().dtype(at::kByte));
   auto xs = at::empty({M, nb}, x.options());
-  auto xsum = at::empty({M, nb}, x.options());
+  auto xsum = at::empty({M, 2 * nb}, x.options());
   const float* px = x.data_ptr<float>();
   uint8_t* pxq = xq.data_ptr<uint8_t>();
   float *pxs = xs.data_ptr<float>(), *pxsum = xsum.data_ptr<float>();
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxsum + i);
+    for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxsum + 2 * i);
   });
   auto y = at::empty({M, N}, x.options());
   const Panel all{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), with_mins ? mins.data_ptr<float>() : nullptr,
                   comp.data_ptr<int32_t>()};
   float* py = y.data_ptr<float>();
-  TORCH_CHECK(!with_mins || scales.size(1) == nb, "q8_0_w8a8_linear: mins with a scale per 16 are not served");
-  if (with_mins) panels<1, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
-  else if (scales.size(1) == nb) panels<1, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+  const bool per_32 = scales.size(1) == nb;
+  if (with_mins && per_32) panels<1, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+  else if (with_mins) panels<2, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+  else if (per_32) panels<1, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
   else panels<2, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
   return y;
 #else

@@ -1,6 +1,6 @@
 // y = x @ W^T with W in llama.cpp's Q8_0 rounding: each run of 32 weights along a row is int8 with one float
 // scale (w ~ q * scale, scale = max|w| / 127), or each run of 16 (a GGUF Q6_K's sub-blocks, models/weight_blocks.py),
-// and may have a min as well (w ~ q * scale + min per 32: GGUF Q5_1, Q5_K's sub-blocks).
+// and may have a min per scale as well (w ~ q * scale + min: GGUF Q5_1, Q5_K, Q2_K).
 // Weight-only: x stays float32, and each weight is widened to float in registers (sign-extend, convert, times its
 // block's scale) just before its multiply-adds, so the result is x @ dequantized(W) up to the order of float sums,
 // at any batch size.
@@ -151,9 +151,10 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t nb = packed_scales.size(1);
   const bool with_mins = packed_mins.numel() > 0;  // none: an empty tensor
   TORCH_CHECK(!with_mins || (packed_mins.is_contiguous() && packed_mins.sizes() == packed_scales.sizes() &&
-                             packed_mins.scalar_type() == at::kFloat && nb == K / 32),
-              "q8_0_linear: mins as the scales (a min per 32 weights) or empty expected");
-  const auto run = with_mins ? &panel<32, true> : nb == K / 32 ? &panel<32, false> : &panel<16, false>;
+                             packed_mins.scalar_type() == at::kFloat),
+              "q8_0_linear: mins as the scales or empty expected");
+  const auto run = nb == K / 32 ? (with_mins ? &panel<32, true> : &panel<32, false>)
+                                : (with_mins ? &panel<16, true> : &panel<16, false>);
   const float* pm = with_mins ? packed_mins.data_ptr<float>() : nullptr;
   auto y = at::empty({M, N}, x.options());
   const float* px = x.data_ptr<float>();

@@ -1,14 +1,16 @@
 """Quantized Linear weights in llama.cpp's block forms, as the int8/int4 GEMM tactics read them (runners/gemm.py):
 rounded at load from a float weight (`quantization: int8 | int4`), or decoded from a GGUF file's own blocks without
-a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (Q3_K, F16, ...) is a
-float32 tensor of its dequantized values (`Weight`), served by the float tactics.
+a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (IQ2_XS, IQ3_S, F16, ...)
+is a float32 tensor of its dequantized values (`Weight`), served by the float tactics.
 
 - `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row. Q5_0 (w ~ d (q - 16), q in
   0..31) is q - 16 on scale d: exact, so a Q4_K_M file of a model whose rows are not whole 256-value blocks (llama.cpp
   then falls back to Q5_0 for Q4_K) reaches the int8 kernels as stored. Q6_K (w ~ d * sc (q - 32) per 16, q in
   0..63, sc int8, d float16) is q - 32 on a scale per 16 weights, d * sc: exact in float32 (11 + 7 bits), and so is
-  each weight, that times a 6-bit q. With a min per 32 (w ~ q * scale + m, q in 0..31): Q5_1, and Q5_K's 32-weight
-  sub-blocks (scale = d * scale6, m = -dmin * min6, as Q4_K's).
+  each weight, that times a 6-bit q; so is Q3_K (w ~ d (sc6 - 32) q per 16, q in -4..3). With a min per scale
+  (w ~ q * scale + m): Q5_1 and Q5_K's 32-weight sub-blocks (q in 0..31; Q5_K's scale = d * scale6, m = -dmin *
+  min6, as Q4_K's), Q2_K's 16-weight ones (q in 0..3, d * sc4 and -dmin * min4). IQ4_NL and IQ4_XS: q is the
+  4-bit index's value in IQ4_VALUES (int8), the scale d (IQ4_XS: d * (sc6 - 32) per 32).
 - `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
   m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
   so each GGUF 4-bit format reaches one kernel with its numbers unchanged.
@@ -68,7 +70,8 @@ class Stacked:
 
 
 Weight = Blocks | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
-STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K")  # the GGUF types read as blocks
+STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 def as_float(weight: Weight) -> torch.Tensor:
@@ -166,6 +169,36 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
             return Q4Blocks(torch.from_numpy(q.reshape(rows, cols)), scale, m)
         fifth = (b[..., 16:48].reshape(rows, cols // 256, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
         return Q8Blocks(torch.from_numpy((q | (fifth << 4)).astype(np.int8).reshape(rows, cols)), scale, m)
+    if type_name in ("Q2_K", "Q3_K"):  # per 16 values a scale (and Q2_K a min); 2-bit values, 4 per byte
+        b = data.reshape(rows, cols // 256, 84 if type_name == "Q2_K" else 110)
+        # 64 bytes: per half of the 256 values, 32 bytes whose bits 2j, 2j + 1 of byte l hold value 32 j + l
+        qs = b[..., 16:80] if type_name == "Q2_K" else b[..., 32:96]
+        q = ((qs.reshape(rows, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(rows, cols)
+        if type_name == "Q2_K":  # 16 bytes of (scale4 | min4 << 4), 64 of values, d, dmin f16
+            sc, d, dmin = b[..., :16], _half(b[..., 80:82]), _half(b[..., 82:84])
+            scale = d[..., None] * torch.from_numpy((sc & 0x0F).astype(np.float32))
+            m = -(dmin[..., None] * torch.from_numpy((sc >> 4).astype(np.float32)))
+            return Q8Blocks(torch.from_numpy(q.astype(np.int8)), scale.reshape(rows, -1), m.reshape(rows, -1))
+        # Q3_K: 32 bytes of high bits (value 32 j + l at bit j of byte l; clear: minus 4), 64 of low pairs, 12 bytes
+        # of 6-bit scales (low nibbles in bytes 0-7, high pairs in 8-11), d f16
+        high = (b[..., None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        q = q.astype(np.int8) - ((high.reshape(rows, cols) ^ 1) << 2).astype(np.int8)
+        low = (b[..., None, 96:104] >> np.array([0, 4], dtype=np.uint8)[:, None]).reshape(rows, -1, 16) & 0x0F
+        top = (b[..., None, 104:108] >> (2 * np.arange(4, dtype=np.uint8))[:, None]).reshape(rows, -1, 16) & 3
+        sc6 = (low | (top << 4)).astype(np.float32) - 32
+        scale = _half(b[..., 108:110])[..., None] * torch.from_numpy(sc6)
+        return Q8Blocks(torch.from_numpy(q), scale.reshape(rows, -1))
+    if type_name == "IQ4_NL":  # per block: d f16, 16 bytes of indices (low nibbles the first 16 values)
+        b = data.reshape(rows, nb, 18)
+        return Q8Blocks(torch.from_numpy(IQ4_VALUES[_nibbles(b[..., 2:])].reshape(rows, cols)), _half(b[..., :2]))
+    if type_name == "IQ4_XS":  # per 256: d f16, 2 high bits of each 6-bit scale (uint16), their low nibbles (4 bytes),
+        b = data.reshape(rows, cols // 256, 136)  # then per 32 values 16 bytes of indices as IQ4_NL's
+        high = (np.ascontiguousarray(b[..., 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        low = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(rows, -1, 8)
+        sc6 = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+        scale = _half(b[..., :2])[..., None] * torch.from_numpy(sc6)
+        q = IQ4_VALUES[_nibbles(b[..., 8:].reshape(rows, -1, 8, 16))]
+        return Q8Blocks(torch.from_numpy(q.reshape(rows, cols)), scale.reshape(rows, nb))
     raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
 
 

@@ -21,8 +21,8 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 
 Quantized tactics change the numbers, so they never race the float ones: with `quantization` set, the tactics of
 its weight form are the only candidates. Weights in llama.cpp's block forms (models/weight_blocks.py):
-- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row, or per 16: GGUF Q6_K;
-  or a scale and a min per 32: GGUF Q5_1, Q5_K), activations float: the weights widened to float in registers.
+- `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row, or per 16: GGUF Q6_K,
+  Q3_K; and a min per scale: GGUF Q5_1, Q5_K, Q2_K), activations float: the weights widened to float in registers.
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
   values of a row per scale), in int8 arithmetic (AVX512-VNNI only): llama.cpp's Q8_0 x Q8_0.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
