@@ -1,6 +1,7 @@
 """`quantization: gguf` (models/gguf_weights.py, models/weight_blocks.py): a GGUF's blocks decoded exactly as gguf-py
 decodes them, placed where PagedLlama's fused Linears want them (llama.cpp's q/k row order undone), and served
-without a float copy, on a tiny random Llama written as llama.cpp writes one and on the default model as shipped.
+without a float copy, on a tiny random Llama written as llama.cpp writes one (also through a real tritonserver) and on
+the default model as shipped.
 
 Bounds: the served logits against float32 on the dequantized weights (the only difference being the activations
 rounded to int8 per 32 values, llama.cpp's Q8_1 / Q8_0 activations): on the tiny random Llama (logit std ~4, far
@@ -25,7 +26,10 @@ from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, Stacked, as_
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from backend.serving.model_store import prepare_default_model
-from backend.serving.tokenizer import load_tokenizer
+from backend.serving.detokenize import decode_text
+from backend.serving.tokenizer import encode, load_tokenizer
+from client.client import LLMClient
+from tests.conftest import start_server
 from load_tests.bench_quantization import fixed_text
 from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import HALF_SCALES, write_gguf
@@ -129,6 +133,20 @@ def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
     engine = LLMEngine(EngineConfig.create(model=str(tiny_q4_k_m), quantization="gguf"))
     [out] = engine.generate([TOKENS[:20]], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_real_tritonserver_serves_the_file_as_the_engine_does(tmp_path_factory, tiny_q4_k_m):
+    """config.pbtxt's `quantization: gguf` through a real tritonserver: the streamed text is what the engine's own
+    greedy ids on the same file decode to."""
+    tokenizer = load_tokenizer(tiny_q4_k_m)
+    prompt = "The quick brown fox"
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_q4_k_m), quantization="gguf"))
+    [expected] = engine.generate([encode(tokenizer, prompt, False)], SamplingParams(max_tokens=24, ignore_eos=True))
+    with start_server(tmp_path_factory.mktemp("repo_gguf"), tiny_q4_k_m, {"quantization": "gguf"}) as srv:
+        srv.wait_ready(300)
+        with LLMClient(srv.url_grpc, "llm") as client:
+            text = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True).text
+    assert text == decode_text(tokenizer, expected) and text
 
 
 def test_the_engine_serves_gguf_and_frees_its_blocks(tiny_gguf):
