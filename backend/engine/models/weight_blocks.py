@@ -31,8 +31,8 @@ BLOCK = 32
 @dataclass(frozen=True)
 class Q8Blocks:
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K / 32], or [N, K / 16] (Q6_K)
-    m: torch.Tensor | None = None  # float32 [N, K / 32] (Q5_1, Q5_K)
+    scale: torch.Tensor  # float32 [N, K / 32], or [N, K / 16] (Q6_K, Q3_K, Q2_K)
+    m: torch.Tensor | None = None  # float32, as scale (Q5_1, Q5_K, Q2_K)
 
     @property
     def block(self) -> int:
