@@ -18,46 +18,38 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.gguf_weights import load_gguf_linears
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
+from backend.engine.models.weight_blocks import STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
-from backend.serving.model_store import prepare_default_model
 from backend.serving.detokenize import decode_text
+from backend.serving.model_store import prepare_default_model
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
-from tests.conftest import start_server
 from load_tests.bench_quantization import fixed_text
+from tests.conftest import start_server
 from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
-from tests.tiny_gguf import HALF_SCALES, write_gguf
+from tests.tiny_gguf import random_raw, write_gguf
 from tests.tiny_model import make_tiny_llama
 
-BYTES = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210),  # values,
-         "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q3_K": (256, 110), "Q2_K": (256, 84),  # bytes
-         "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
-HALVES = {"Q4_1": (0, 2), "Q5_1": (0, 2), **HALF_SCALES}  # byte offsets of a block's float16 scales, if not d first
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
 
 
-@pytest.mark.parametrize("type_name", list(BYTES))
+@pytest.mark.parametrize("type_name", STORED)
 def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
     """Random blocks (finite float16 scales, every other byte random): our Q8Blocks / Q4Blocks hold the same values."""
-    values, nbytes = BYTES[type_name]
-    rng = np.random.default_rng(len(type_name))
-    rows, cols = 6, 2 * values
-    raw = rng.integers(0, 256, (rows, cols // values, nbytes), dtype=np.uint8)
-    for offset in HALVES.get(type_name, (0,)):
-        raw[..., offset:offset + 2] = rng.uniform(-2, 2, (rows, cols // values, 1)).astype(np.float16).view(np.uint8)
-    raw = raw.reshape(rows, -1)
+    qtype = GGMLQuantizationType[type_name]
+    rows, cols = 6, 2 * GGML_QUANT_SIZES[qtype][0]
+    raw = random_raw(qtype, rows, cols, np.random.default_rng(len(type_name)), 2.0)
     blocks = from_gguf(type_name, raw, rows, cols)
     assert isinstance(blocks, Q4Blocks if type_name.startswith("Q4") else Q8Blocks)
     if isinstance(blocks, Q4Blocks):
         assert blocks.q.max() <= 15
-    expected = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols)
+    expected = dequantize(raw, qtype).reshape(rows, cols)
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
 
 

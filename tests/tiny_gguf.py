@@ -20,8 +20,26 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# byte offsets of the float16 scales (d, dmin) in a block of the types gguf-py cannot quantize (llama.cpp's structs)
-HALF_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,)}
+# byte offsets of a block's float16 scales (d, and m or dmin; llama.cpp's structs) where d does not simply lead it
+SCALE_OFFSETS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+RANDOM_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf-py cannot round to these: write_gguf writes random blocks
+
+
+def scale_offsets(qtype: GGMLQuantizationType) -> tuple[int, ...]:
+    return SCALE_OFFSETS.get(qtype.name, (0,))
+
+
+def random_raw(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator, bound: float
+               ) -> np.ndarray:
+    """Random blocks of `qtype` (uint8 [rows, bytes per row]): random bytes, each float16 scale uniform in
+    [-bound, bound], so every value is finite."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in scale_offsets(qtype):
+        raw[..., offset:offset + 2] = rng.uniform(-bound, bound, (rows, cols // block, 1)).astype(np.float16).view(
+            np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
@@ -32,7 +50,7 @@ def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.n
     raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
 
     def scale(value: float) -> None:
-        for offset in HALF_SCALES[qtype.name]:
+        for offset in scale_offsets(qtype):
             raw[..., offset:offset + 2] = np.array([value], np.float16).view(np.uint8)
     scale(1.0)  # the values are linear in the scales together
     scale(float(w.std() / dequantize(raw.reshape(rows, -1), qtype).std()))
@@ -42,7 +60,7 @@ def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.n
 def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
     """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` next to
     them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes
-    (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of HALF_SCALES' (random blocks)."""
+    (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of RANDOM_ONLY (random blocks)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -63,7 +81,7 @@ def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
         if permute_heads:
             w = _permute(w, permute_heads)
         qtype = GGMLQuantizationType[types[name.split(".")[-2]]]
-        raw = random_blocks(w, qtype, zlib.crc32(name.encode())) if qtype.name in HALF_SCALES else quantize(w, qtype)
+        raw = random_blocks(w, qtype, zlib.crc32(name.encode())) if qtype.name in RANDOM_ONLY else quantize(w, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
         back = dequantize(raw, qtype).reshape(w.shape)
         if permute_heads:  # the inverse permutation: rows (half, i) <- (i, half)
