@@ -216,8 +216,8 @@ def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | to
     return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
 
 
-def _form(weight: Blocks | torch.Tensor) -> tuple:
-    """Parts of one form are served as one weight: the same class, and for Q8Blocks the same block and min or none."""
+def _join_key(weight: Blocks | torch.Tensor) -> tuple:
+    """Parts with one key are served as one weight: the same class, and for Q8Blocks the same block and min or none."""
     if isinstance(weight, Q8Blocks):
         return Q8Blocks, weight.block, weight.m is None
     return (type(weight),)
@@ -236,7 +236,7 @@ def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
 def cat_rows(parts: list[Blocks | torch.Tensor]) -> Weight:
     """Output channels stacked (q/k/v and gate/up are fused): each run of parts of one form joined, and runs of
     different forms kept apart, in order (`Stacked`)."""
-    runs = [_cat_same(list(run)) for _, run in itertools.groupby(parts, key=_form)]
+    runs = [_cat_same(list(run)) for _, run in itertools.groupby(parts, key=_join_key)]
     return runs[0] if len(runs) == 1 else Stacked(tuple(runs))
 
 

@@ -311,8 +311,9 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
     for name, linear in linears.items():
         gemms, first = [], 0
         for i, weight in enumerate(parts[name]):
-            bias = None if linear.bias is None else linear.bias[first:first + rows_of(weight)]
-            first += rows_of(weight)
+            rows = rows_of(weight)
+            bias = None if linear.bias is None else linear.bias[first:first + rows]
+            first += rows
             gemms.append(TACTICS[chosen[name, i]].prepare(
                 weight.to(dtype) if isinstance(weight, torch.Tensor) else weight, bias))
         linear.gemm = gemms[0] if len(gemms) == 1 else functools.partial(_concatenated, gemms)
