@@ -22,7 +22,7 @@ keys at positions 0..C-1, C = blocks per row * block_size. A query at position p
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from backend.engine.kv_quantization import as_stored, dequantize
+from backend.engine.models.weight_blocks import Weight, shape_of
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -383,9 +384,11 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               state: dict[str, torch.Tensor] | None = None) -> PagedLlama:
+               state: dict[str, torch.Tensor] | None = None, stored: Mapping[str, Weight] | None = None) -> PagedLlama:
     """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load), or from the folder's
-    config and an HF `state` dict already in memory (a GPU benchmark's random weights, never written to disk)."""
+    config and an HF `state` dict already in memory (a GPU benchmark's random weights, never written to disk). The
+    Linears named in `stored` (a quantized checkpoint's, which `state` lacks) get a weight of no bytes, a zero expanded
+    to their shape: runners/gemm.py serves them from `stored` and drops it."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     cos, sin = rope_tables(model_dir, cfg.max_position_embeddings)
@@ -394,20 +397,27 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         for f in _weight_files(model_dir):
             state.update(load_file(str(f)))
     state = {k.removeprefix("model."): v for k, v in state.items()}
+
+    def linear(name: str, sources: list[str]) -> torch.Tensor:
+        if stored is not None and name in stored:
+            return torch.zeros((), dtype=dtype).expand(shape_of(stored[name]))
+        tensors = [state[s + ".weight"] for s in sources]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
     fused: dict[str, torch.Tensor] = {
         "embed_tokens.weight": state["embed_tokens.weight"],
         "norm.weight": state["norm.weight"],
-        "lm_head.weight": state["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
+        "lm_head.weight": linear("lm_head", ["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]),
     }
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
-        fused[p + "qkv_proj.weight"] = torch.cat([state[a + n + "_proj.weight"] for n in "qkv"])
+        fused[p + "qkv_proj.weight"] = linear(p + "qkv_proj", [a + n + "_proj" for n in "qkv"])
         if cfg.attention_bias:
             fused[p + "qkv_proj.bias"] = torch.cat([state[a + n + "_proj.bias"] for n in "qkv"])
-        fused[p + "o_proj.weight"] = state[a + "o_proj.weight"]
-        fused[p + "gate_up_proj.weight"] = torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
-        fused[p + "down_proj.weight"] = state[p + "mlp.down_proj.weight"]
+        fused[p + "o_proj.weight"] = linear(p + "o_proj", [a + "o_proj"])
+        fused[p + "gate_up_proj.weight"] = linear(p + "gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        fused[p + "down_proj.weight"] = linear(p + "down_proj", [p + "mlp.down_proj"])
         fused[p + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
         fused[p + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     with torch.device("meta"):

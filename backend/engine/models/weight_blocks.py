@@ -207,6 +207,12 @@ def rows_of(weight: Blocks | torch.Tensor) -> int:
     return (weight if isinstance(weight, torch.Tensor) else weight.q).shape[0]
 
 
+def shape_of(weight: Weight) -> tuple[int, int]:
+    """(output channels, input features)."""
+    parts = getattr(weight, "parts", [weight])
+    return sum(rows_of(p) for p in parts), (parts[0] if isinstance(parts[0], torch.Tensor) else parts[0].q).shape[1]
+
+
 def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | torch.Tensor:
     """The same blocks with their output channels reordered (a row is whole blocks, so nothing is rounded)."""
     if isinstance(blocks, torch.Tensor):

@@ -6,15 +6,18 @@ from __future__ import annotations
 import logging
 
 from backend.engine.config import EngineConfig
+from backend.engine.models.compressed_tensors_weights import served_quantization
 from backend.engine.runners.base import Runner
+from backend.engine.runners.gemm import AS_STORED
 
 log = logging.getLogger(__name__)
 
 
 def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     block_size = config.cache.block_size
+    quantization = served_quantization(config.model, config.quantization)
     if config.runtime == "torch" and config.device.startswith("cuda") and config.attention in ("auto", "triton") \
-            and config.quantization == "none" and triton_error(config.attention) is None:
+            and quantization == "none" and triton_error(config.attention) is None:
         from backend.engine.runners.cuda_runner import CudaRunner
 
         sched = config.scheduler
@@ -25,9 +28,9 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
 
         return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
                            config.gemm_backend, config.quantization, config.cache.kv_cache_dtype)
-    if config.quantization == "gguf" or (config.quantization != "none" and config.runtime == "tensorrt"):
-        raise ValueError(f"quantization: {config.quantization} is served by runtime torch"
-                         f"{'' if config.quantization == 'gguf' else ' and onnxruntime'}, not {config.runtime}")
+    if quantization in AS_STORED or (quantization != "none" and config.runtime == "tensorrt"):
+        raise ValueError(f"quantization: {quantization} is served by runtime torch"
+                         f"{'' if quantization in AS_STORED else ' and onnxruntime'}, not {config.runtime}")
     if config.attention == "kernel":
         raise ValueError(f"attention: the kernel is for runtime torch; {config.runtime} runs the gather graph")
     if config.runtime not in ("onnxruntime", "tensorrt"):

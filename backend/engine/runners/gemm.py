@@ -59,7 +59,8 @@ from backend.engine.models.weight_blocks import Blocks, Q4Blocks, Q8Blocks, Weig
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "compressed-tensors")
+AS_STORED = ("gguf", "compressed-tensors")  # a checkpoint's own blocks, each Linear served in its form
 LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 _lock = threading.Lock()
@@ -276,7 +277,7 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
 def _form(quantization: str, name: str, weight: Blocks | torch.Tensor) -> tuple[str, type | None]:
     """(tactic quantization, stored block form) that serve `weight` of Linear `name`; a stored float tensor is
     float's."""
-    if quantization == "gguf":
+    if quantization in AS_STORED:
         return {Q8Blocks: ("int8", Q8Blocks), Q4Blocks: ("int4", Q4Blocks)}.get(type(weight), ("none", None))
     if quantization == "int4" and name == "lm_head":
         return "int8", None
