@@ -9,13 +9,14 @@ Quality, each quantized tactic forced (backend/engine/runners/gemm.py; int4's Q8
 The same for the ONNX Runtime runner's int8 and int4 graphs (exported once into .cache/engines/), and for the 8-bit KV
 cache (`kv_cache_dtype: int8`) under float32 weights (kv_int8) and under the GGUF (gguf_kv_int8); `llamacpp`:
 perplexity and top-1 agreement of llama.cpp on the model folder's GGUF, the same token ids (.venv-llamacpp, from
-load_tests/llama_cpp_env.sh; by default only where that venv exists).
+load_tests/llama_cpp_env.sh; by default only where that venv exists); each `--checkpoint`, a quantized checkpoint
+of the model (load_tests/compressed_checkpoint.py), served as stored.
 Speed: SmolLM2's 30 layers of Linear shapes, one pass per token count (1, 16, 64); their weights (106 MB in int8,
 60 MB in int4) do not fit in the caches, so each pass streams them from DRAM as a decode step does: float32 oneDNN
 prepacked vs each quantized tactic.
 
     python -m load_tests.bench_quantization [--model DIR] [--tokens 1024] [--runs gguf,kv_int8,...]
-        [--out results/quantization.json]
+        [--checkpoint DIR ...] [--out results/quantization.json]
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def onnx_runner(model: Path, dtype: str, blocks: int, block_size: int, quantizat
                       quantization=quantization)
 
 
-def quality(model: Path, max_tokens: int, only: set[str] | None = None) -> dict[str, dict[str, float]]:
+def quality(model: Path, max_tokens: int, only: set[str] | None = None, checkpoints: tuple[Path, ...] = ()
+            ) -> dict[str, dict[str, float]]:
     from backend.engine import EngineConfig, LLMEngine
     from backend.engine.runners import gemm
     from backend.engine.runners.torch_runner import TorchRunner
@@ -104,6 +106,8 @@ def quality(model: Path, max_tokens: int, only: set[str] | None = None) -> dict[
     runs["gguf_kv_int8"] = functools.partial(TorchRunner, quantization="gguf", kv_cache_dtype="int8")
     for q in ("int8", "int4"):  # the exported graph's MatMulNBits (build_engine/quantize_onnx.py)
         runs[f"onnxruntime_{q}"] = functools.partial(onnx_runner, quantization=q)
+    for folder in checkpoints:  # a quantized checkpoint of the model, served as stored (its config.json says how)
+        runs[folder.name] = functools.partial(lambda folder, _model, *args: TorchRunner(folder, *args), folder)
     if only and (unknown := only - set(runs) - {"llamacpp"}):
         raise SystemExit(f"--runs: no run named {sorted(unknown)} (known: {sorted([*runs, 'llamacpp'])})")
     for tactic, runner in runs.items():
@@ -172,13 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", default=None, help="comma-separated quality runs (default: all)")
+    p.add_argument("--checkpoint", type=Path, action="append", default=[],
+                   help="a quantized checkpoint of --model (load_tests/compressed_checkpoint.py): a run named for it")
     p.add_argument("--out", type=Path, default=Path("results/quantization.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_summary()} | {args.threads} threads | {args.model.name}", flush=True)
     print("quality (teacher-forced):", flush=True)
     report = {"cpu": cpu_summary(), "threads": args.threads, "model": args.model.name,
-              "quality": quality(args.model, args.tokens, set(args.runs.split(",")) if args.runs else None)}
+              "quality": quality(args.model, args.tokens, set(args.runs.split(",")) if args.runs else None,
+                                 tuple(args.checkpoint))}
     print("GEMM speed (30 layers of SmolLM2's Linear shapes):", flush=True)
     report["gemm_ms"] = speed = gemm_speed()
     for name, row in speed.items():
