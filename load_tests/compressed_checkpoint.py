@@ -1,9 +1,10 @@
-"""A float model folder quantized by compressed-tensors into a `pack-quantized` checkpoint, the format of the int4 /
-int8 weight-only checkpoints vLLM serves (llm-compressor's W4A16, W4A16_ASYM, W8A16): the tests' and benchmarks' way
-to serve one without fetching it. Round to nearest, as llm-compressor's QuantizationModifier rounds without
-calibration data: each group's scale (and zero point) from its min and max (compressed-tensors' `calculate_qparams`);
-the packing and config.json's `quantization_config` are compressed-tensors' own. The lm_head stays float, as in
-llm-compressor's recipes. The weights are cast to `--dtype` first (a checkpoint's scales are in its dtype).
+"""A float model folder quantized by compressed-tensors into a checkpoint as llm-compressor writes one (W4A16,
+W4A16_ASYM, W8A16 `pack-quantized`; W8A8 `int-quantized`), the int4 / int8 checkpoints vLLM serves: the tests' and
+benchmarks' way to serve one without fetching it. Round to nearest, as llm-compressor's QuantizationModifier rounds
+without calibration data: each group's scale (and zero point) from its min and max (compressed-tensors'
+`calculate_qparams`); the packing and config.json's `quantization_config` are compressed-tensors' own. The lm_head
+stays float, as in llm-compressor's recipes. The weights are cast to `--dtype` first (a checkpoint's scales are in its
+dtype).
 
     python -m load_tests.compressed_checkpoint [--model DIR] [--scheme W4A16] [--group-size 64]   # prints the folder
 """
@@ -52,7 +53,7 @@ def compress_checkpoint(model_dir: Path, out: Path, scheme: str | dict[str, str]
         groups[f"group_{i}"] = s
     apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=["lm_head"]))
     _round_to_nearest(model)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model)  # the format llm-compressor would pick
     compressor.compress_model(model)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -68,7 +69,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a float HF folder (default: the default model, converted)")
-    p.add_argument("--scheme", default="W4A16", help="compressed-tensors preset: W4A16, W4A16_ASYM, W8A16")
+    p.add_argument("--scheme", default="W4A16", help="compressed-tensors preset: W4A16, W4A16_ASYM, W8A16, W8A8")
     p.add_argument("--group-size", type=int, help="weights per scale along a row (the presets': 128)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--out", type=Path, help="default: beside the model, named for the scheme")

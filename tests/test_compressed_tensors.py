@@ -1,13 +1,13 @@
-"""compressed-tensors checkpoints (models/compressed_tensors_weights.py): int4 / int8 weight-only `pack-quantized`
-checkpoints, made here by compressed-tensors itself (load_tests/compressed_checkpoint.py) from a seeded random Llama,
-served as stored by their own config.json: the blocks hold the checkpoint's values exactly, transformers' own loader
-reads the same values (rounded to bfloat16, as it computes them), and the served logits are within stated bounds of
-float32 on those values; also through a real tritonserver with nothing set.
+"""compressed-tensors checkpoints (models/compressed_tensors_weights.py): int4 / int8 `pack-quantized` and W8A8
+`int-quantized` checkpoints, made here by compressed-tensors itself (load_tests/compressed_checkpoint.py) from a
+seeded random Llama, served as stored by their own config.json: the blocks hold the checkpoint's values exactly,
+transformers' own loader reads the same values (rounded to bfloat16, as it computes them), and the served logits are
+within stated bounds of float32 on those values; also through a real tritonserver with nothing set.
 
-Bounds: with float activations (W8A16 through the weight-only kernel) the logits are float32's on the same values to
-1e-5. The default tactics round the activations to int8 per 32 values (as for `gguf`), which on this random model
-(logit std 8) is most of the error: W8A16 there is 0.075 from float32, W4A16 0.077. Bounds: relative L2 error 0.10
-(bfloat16: 0.12) and argmax kept at >= 80 %.
+Bounds: with float activations (W8A16 and W8A8 through the weight-only kernel) the logits are float32's on the same
+values to 1e-5. The default tactics round the activations to int8 per 32 values (as for `gguf`), which on this random
+model (logit std 8) is most of the error: W8A16 there is 0.075 from float32, W4A16 0.077. Bounds: relative L2 error
+0.10 (bfloat16: 0.12) and argmax kept at >= 80 %.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.tiny_model import make_tiny_llama
 # (scheme, group size): llm-compressor's W4A16 (symmetric, 128), W4A16_ASYM at 32, W8A16, and a mix: down_proj in 8
 # bits beside 4-bit Linears, at 64
 SCHEMES = {"w4a16": ("W4A16", None), "w4a16_asym_g32": ("W4A16_ASYM", 32), "w8a16": ("W8A16", None),
-           "mixed_g64": ({"Linear": "W4A16_ASYM", "re:.*down_proj$": "W8A16"}, 64)}
+           "w8a8": ("W8A8", None), "mixed_g64": ({"Linear": "W4A16_ASYM", "re:.*down_proj$": "W8A16"}, 64)}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 
@@ -57,18 +57,22 @@ def checkpoints(wide_llama, tmp_path_factory) -> dict[str, Path]:
 
 
 def exact_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every quantized Linear's s (q - z) in float64 (exact; float32 holds it for bfloat16 scales), unpacked by
-    compressed-tensors' own `unpack_from_int32`: HF names, `model.layers.0.self_attn.q_proj`."""
+    """Every quantized Linear's s (q - z) in float64 (exact; float32 holds it for bfloat16 scales), `pack-quantized`
+    ones unpacked by compressed-tensors' own `unpack_from_int32`: HF names, `model.layers.0.self_attn.q_proj`."""
     state = load_file(str(checkpoint / "model.safetensors"))
     out = {}
-    for key in [k for k in state if k.endswith(".weight_packed")]:
-        name = key.removesuffix(".weight_packed")
-        shape, scale = state[f"{name}.weight_shape"].tolist(), state[f"{name}.weight_scale"].double()
-        bits = state[key].shape[1] * 32 // shape[1]
-        q = unpack_from_int32(state[key], bits, shape).double()
-        z = state.get(f"{name}.weight_zero_point")
-        z = torch.zeros(scale.shape) if z is None else unpack_from_int32(z, bits, scale.shape, packed_dim=0)
-        out[name] = ((q.unflatten(1, (scale.shape[1], -1)) - z.double()[..., None]) * scale[..., None]).flatten(1)
+    for name in [k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")]:
+        scale, z = state[f"{name}.weight_scale"].double(), state.get(f"{name}.weight_zero_point")
+        if f"{name}.weight_packed" in state:  # W4A16, W8A16
+            shape = state[f"{name}.weight_shape"].tolist()
+            bits = state[f"{name}.weight_packed"].shape[1] * 32 // shape[1]
+            q = unpack_from_int32(state[f"{name}.weight_packed"], bits, shape)
+            z = None if z is None else unpack_from_int32(z, bits, scale.shape, packed_dim=0)
+        else:  # W8A8: int8 as is
+            q = state[f"{name}.weight"]
+        z = torch.zeros(scale.shape) if z is None else z
+        groups = q.double().unflatten(1, (scale.shape[1], -1))
+        out[name] = ((groups - z.double()[..., None]) * scale[..., None]).flatten(1)
     return out
 
 
@@ -101,8 +105,8 @@ def test_the_blocks_hold_the_checkpoints_values_exactly(checkpoints, name):
             expected = torch.cat([exact[f"model.layers.{i}.{n}"] for n in theirs])
             assert torch.equal(as_float(stored[f"layers.{i}.{ours}"]).double(), expected), (name, i, ours)
     forms = {ours: type(stored[f"layers.0.{ours}"]) for ours in fused}
-    assert forms == {ours: Q8Blocks if name == "w8a16" or (name == "mixed_g64" and ours == "down_proj") else Q4Blocks
-                     for ours in fused}
+    assert forms == {ours: Q8Blocks if name in ("w8a16", "w8a8") or (name == "mixed_g64" and ours == "down_proj")
+                     else Q4Blocks for ours in fused}
     assert isinstance(stored["lm_head"], torch.Tensor)
 
 
@@ -121,10 +125,12 @@ def test_transformers_reads_the_same_values(checkpoints):
         assert torch.equal(w.to(torch.bfloat16), linear.weight)
 
 
-def test_an_int8_checkpoint_with_float_activations_is_float32_on_its_values(checkpoints, tmp_path):
-    """W8A16 with the weight-only `q8_0` tactic forced: the same logits as float32 on the same values, to float32's
-    summation order (measured 1e-6): the fusion, the placeholders and the scales change nothing."""
-    checkpoint = checkpoints["w8a16"]
+@pytest.mark.parametrize("name", ["w8a16", "w8a8"])
+def test_an_int8_checkpoint_with_float_activations_is_float32_on_its_values(checkpoints, tmp_path, name):
+    """W8A16 (packed) and W8A8 (int8 as is) with the weight-only `q8_0` tactic forced: the same logits as float32 on
+    the same values, to float32's summation order (measured 1e-6): the fusion, the placeholders and the scales change
+    nothing."""
+    checkpoint = checkpoints[name]
     reference = all_logits(TorchRunner(float_folder(checkpoint, tmp_path / "f"), "float32", 64, 16,
                                        gemm_backend="aten"))
     runner = TorchRunner(checkpoint, "float32", 64, 16, gemm_backend="q8_0")
@@ -168,8 +174,8 @@ def _edited(checkpoint: Path, out: Path, edit) -> Path:
      "quantization: compressed-tensors is served by runtime torch, not onnxruntime"),
     ({}, lambda c: c["quantization_config"].update(quant_method="gptq"),
      r"model: .* is a gptq checkpoint \(config.json quantization_config.quant_method\)"),
-    ({}, lambda c: c["quantization_config"].update(format="int-quantized"),
-     r"model: .* is compressed-tensors of format \['int-quantized'\]; served is pack-quantized"),
+    ({}, lambda c: c["quantization_config"].update(format="float-quantized"),
+     r"model: .* is compressed-tensors of format \['float-quantized'\]; served are pack-quantized, int-quantized"),
 ])
 def test_what_is_not_served_is_refused_by_name(checkpoints, tmp_path, settings, edit, error):
     model = checkpoints["w4a16"] if edit is None else _edited(checkpoints["w4a16"], tmp_path / "m", edit)

@@ -1,20 +1,22 @@
 """A compressed-tensors checkpoint served as stored (`quantization: compressed-tensors`, picked by itself from the
-folder's config.json): llm-compressor's and vLLM's `pack-quantized` format, the int4 / int8 weight-only checkpoints
-(W4A16, W4A16_ASYM, W8A16) most quantized models on the HF hub ship in.
+folder's config.json): llm-compressor's formats for the int4 / int8 checkpoints vLLM serves, `pack-quantized`
+(W4A16, W4A16_ASYM, W8A16: weight-only) and `int-quantized` (W8A8: int8 weights, activations rounded per token).
 
-A Linear `x` is stored as `x.weight_packed` (int32 [N, K * bits / 32]: value i of a row at bits i * bits, as
+A `pack-quantized` Linear `x` is `x.weight_packed` (int32 [N, K * bits / 32]: value i of a row at bits i * bits, as
 q + 2^(bits-1)), `x.weight_scale` ([N, K / G] in the model's dtype: a scale per G weights along a row, G = K per
 channel), `x.weight_shape` ([N, K]) and, if asymmetric, `x.weight_zero_point` (packed likewise along the output
-channels); its weights are w = s (q - z). Everything is read from the tensors themselves (bits, group, symmetric),
-so a checkpoint mixing schemes (down_proj in 8 bits, an ignored lm_head in float) needs no parsing of its targets.
+channels); an `int-quantized` one is `x.weight` (int8 [N, K]) and `x.weight_scale` (W8A8: per channel). Its
+weights are w = s (q - z). Everything is read from the tensors themselves (bits, group, symmetric), so a checkpoint
+mixing schemes (down_proj in 8 bits, an ignored lm_head in float) needs no parsing of its targets.
 
 - 4 bits -> `Q4Blocks`: q4 = the stored value (0..15), d = s, m = -s * (z + 8), per 32 weights (G a multiple of 32).
 - 8 bits -> `Q8Blocks`: q the int8 value, scale s, m = -s * z where asymmetric.
-Each is the checkpoint's value exactly where s is bfloat16 or float16 (every real checkpoint: s has 8 or 11 bits, so
-s * q4 and s * (z + 8) are exact in float32); with float32 scales within float32's rounding of those products.
-Unused Linears (an `ignore`d lm_head) stay float tensors, served by the float tactics. Refused by name: other
-formats (int-quantized W8A8, float8, nvfp4), activation-ordered groups (`weight_g_idx`), groups that are not whole
-32-weight blocks, groups that do not divide a row.
+Each is the checkpoint's value exactly where s is bfloat16 or float16 (s has 8 or 11 bits, so s * q4 and s * (z + 8)
+are exact in float32), and where s is float32 for symmetric 8 bits (W8A8's scales often are); otherwise within
+float32's rounding of those products. W8A8's activations are rounded as the engine's kernels round them (per 32
+values with `q8_0_w8a8`, not at all with `q8_0`), not per token. Unused Linears (an `ignore`d lm_head) stay float
+tensors, served by the float tactics. Refused by name: other formats (float8, nvfp4, ...), activation-ordered groups
+(`weight_g_idx`), groups that are not whole 32-weight blocks or do not divide a row.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from backend.engine.models.llama import ModelConfig
 from backend.engine.models.weight_blocks import BLOCK, Q4Blocks, Q8Blocks, Weight, cat_rows
 
 METHOD = "compressed-tensors"
-PACKED = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+FORMATS = ("pack-quantized", "int-quantized")  # W4A16, W4A16_ASYM, W8A16; W8A8
 
 
 def _quantization_config(model_dir: str | Path) -> dict | None:
@@ -55,9 +57,8 @@ def served_quantization(model_dir: str | Path, asked: str) -> str:
         raise ValueError(f"quantization: {asked} rounds a float checkpoint, and {model_dir} is quantized already "
                          f"({METHOD}): set none or {METHOD}")
     formats = {qconfig.get("format")} | {g.get("format") for g in qconfig.get("config_groups", {}).values()}
-    if other := sorted(formats - {None, "pack-quantized"}):
-        raise ValueError(f"model: {model_dir} is {METHOD} of format {other}; served is pack-quantized (W4A16, "
-                         "W4A16_ASYM, W8A16)")
+    if other := sorted(formats - {None, *FORMATS}):
+        raise ValueError(f"model: {model_dir} is {METHOD} of format {other}; served are {', '.join(FORMATS)}")
     return METHOD
 
 
@@ -70,28 +71,39 @@ def _unpack(packed: torch.Tensor, bits: int, rows: int, cols: int) -> torch.Tens
     return values[:, :cols].contiguous()
 
 
-def blocks(name: str, packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
-           zero_point: torch.Tensor | None) -> Q4Blocks | Q8Blocks:
-    """One Linear's stored tensors as the blocks the kernels read (module docstring)."""
+def _packed(name: str, packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
+            zero_point: torch.Tensor | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """`pack-quantized` tensors -> (q + 2^(bits-1) as uint8 [N, K], bits, z + 2^(bits-1) [N, groups] or None)."""
     rows, cols = (int(n) for n in shape)
     bits = packed.shape[1] * 32 // cols
     if bits not in (4, 8) or packed.shape[1] * 32 != bits * cols:
         raise ValueError(f"{METHOD}: {name} is {packed.shape[1] * 32 / cols:g}-bit; served are 4 and 8 bits")
+    # the zero point is packed along the output channels: unpack its transpose
+    z = None if zero_point is None else _unpack(zero_point.t(), bits, scale.shape[1], rows).t()
+    return _unpack(packed, bits, rows, cols), bits, z
+
+
+def _int8(weight: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """`int-quantized` (W8A8's int8 weight, its zero point unpacked) -> the same as `_packed`."""
+    def offset(t: torch.Tensor) -> torch.Tensor:
+        return (t.int() + 128).to(torch.uint8)
+
+    return offset(weight), 8, None if zero_point is None else offset(zero_point)
+
+
+def blocks(name: str, q: torch.Tensor, bits: int, scale: torch.Tensor, z: torch.Tensor | None) -> Q4Blocks | Q8Blocks:
+    """One Linear as the blocks the kernels read (module docstring): q and z as stored, q + 2^(bits-1)."""
+    cols = q.shape[1]
     group = cols // scale.shape[1]
     if group * scale.shape[1] != cols or group % BLOCK:
         raise ValueError(f"{METHOD}: {name} has {scale.shape[1]} scales along rows of {cols} weights; served are "
                          f"groups of whole {BLOCK}-weight blocks that divide a row")
-    q = _unpack(packed, bits, rows, cols)
     offset = 1 << (bits - 1)
-    # z + offset per group (the zero point is packed along the output channels: unpack its transpose)
-    z = torch.full(scale.shape, offset) if zero_point is None else \
-        _unpack(zero_point.t(), bits, scale.shape[1], rows).t().int()
-    per_block = group // BLOCK
-    s = scale.float().repeat_interleave(per_block, dim=1)
-    z = z.repeat_interleave(per_block, dim=1).float()
+    s = scale.float().repeat_interleave(group // BLOCK, dim=1)
+    zf = torch.full_like(s, offset) if z is None else z.float().repeat_interleave(group // BLOCK, dim=1)
     if bits == 4:
-        return Q4Blocks(q, s, -(s * z))
-    return Q8Blocks((q.int() - offset).to(torch.int8), s, None if zero_point is None else -(s * (z - offset)))
+        return Q4Blocks(q, s, -(s * zf))
+    return Q8Blocks((q.int() - offset).to(torch.int8), s, None if z is None else -(s * (zf - offset)))
 
 
 def load_compressed_tensors(model_dir: str | Path, cfg: ModelConfig
@@ -106,9 +118,15 @@ def load_compressed_tensors(model_dir: str | Path, cfg: ModelConfig
                          "checkpoints without (actorder: null or weight)")
 
     def read(name: str) -> Q4Blocks | Q8Blocks | torch.Tensor:
-        if f"{name}.weight_packed" not in state:
+        scale, zero_point = state.pop(f"{name}.weight_scale", None), state.pop(f"{name}.weight_zero_point", None)
+        if f"{name}.weight_packed" in state:
+            stored = _packed(name, state.pop(f"{name}.weight_packed"), scale, state.pop(f"{name}.weight_shape"),
+                             zero_point)
+        elif scale is not None:
+            stored = _int8(state.pop(f"{name}.weight"), zero_point)
+        else:
             return state[f"{name}.weight"]
-        return blocks(name, *(state.pop(f"{name}.{p}", None) for p in PACKED))
+        return blocks(name, stored[0], stored[1], scale, stored[2])
 
     head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     stored: dict[str, Weight] = {"lm_head": read(head)}
