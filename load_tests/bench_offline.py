@@ -282,7 +282,8 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
 
     system = "engine" + ("" if runtime == "torch" else f"_{runtime}") + ("" if quantization == "none" else
                                                                         f"_{quantization}")
-    result = measure(system, dtype, generate, requests, extra={"runtime": runtime, "quantization": quantization})
+    result = measure(system, dtype, generate, requests,
+                     extra={"runtime": runtime, "quantization": engine.config.quantization})
     result.extra["ttft_ms_median"] = round(1000 * statistics.median(first_token_s[-len(requests):]), 1)
     if rss_check is not None:
         # RSS after each tenth of the requests: allocator warm-up levels off, a leak keeps climbing

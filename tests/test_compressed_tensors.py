@@ -155,6 +155,7 @@ def test_served_within_bounds_of_float_on_the_same_values(checkpoints, tmp_path,
 
 def test_the_engine_serves_a_checkpoint_by_itself_and_frees_its_blocks(checkpoints):
     engine = LLMEngine(EngineConfig.create(model=str(checkpoints["w4a16"])))
+    assert engine.config.quantization == "compressed-tensors"  # what logs and benchmarks report
     [out] = engine.generate([TOKENS[:20]], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
 

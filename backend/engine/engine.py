@@ -27,6 +27,7 @@ from backend.engine.kv_cache import KVCacheManager, bytes_per_block
 from backend.engine.kv_quantization import row_bytes
 from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.lora import LoraAdapter, LoraBatch, LoraRegistry, parse_lora_modules
+from backend.engine.models.compressed_tensors_weights import served_quantization
 from backend.engine.models.llama import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
@@ -101,7 +102,8 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None):
-        self.config = config
+        # what serves the model: a quantized checkpoint's own quantization where its config.json names one
+        config = self.config = dataclasses.replace(config, quantization=served_quantization(config.model, config.quantization))
         model_cfg = load_model_config(config.model)
         cache = config.cache
         num_blocks = kv_pool_blocks(config, model_cfg)

@@ -28,7 +28,8 @@ class TritonPythonModel:
         # built on the loop's thread, the one that runs its forwards (see backend/serving/engine_thread.py)
         self.loop = EngineLoop(lambda: LLMEngine(config), self.tokenizer, self.metrics).start()
         self.engine = self.loop.engine
-        pb_utils.Logger.log_info(f"llm: {config.runtime} engine on {config.model}, "
+        pb_utils.Logger.log_info(f"llm: {config.runtime} engine on {config.model}, quantization "
+                                 f"{self.engine.config.quantization}, "
                                  f"{self.engine.kv.num_blocks} KV blocks of {config.cache.block_size}, "
                                  f"max_model_len {self.engine.max_model_len}; outputs sent "
                                  f"{'beside the next step' if self.loop.overlap_outputs else 'between steps'}")
