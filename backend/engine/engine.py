@@ -103,7 +103,8 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None):
         # what serves the model: a quantized checkpoint's own quantization where its config.json names one
-        config = self.config = dataclasses.replace(config, quantization=served_quantization(config.model, config.quantization))
+        served = served_quantization(config.model, config.quantization)
+        config = self.config = dataclasses.replace(config, quantization=served)
         model_cfg = load_model_config(config.model)
         cache = config.cache
         num_blocks = kv_pool_blocks(config, model_cfg)

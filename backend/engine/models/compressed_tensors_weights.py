@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.llama import ModelConfig, fused_linears
 from backend.engine.models.weight_blocks import BLOCK, Q4Blocks, Q8Blocks, Weight, cat_rows
 
 METHOD = "compressed-tensors"
@@ -91,7 +91,8 @@ def _int8(weight: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.
     return offset(weight), 8, None if zero_point is None else offset(zero_point)
 
 
-def blocks(name: str, q: torch.Tensor, bits: int, scale: torch.Tensor, z: torch.Tensor | None) -> Q4Blocks | Q8Blocks:
+def blocks(name: str, scale: torch.Tensor, q: torch.Tensor, bits: int, z: torch.Tensor | None
+           ) -> Q4Blocks | Q8Blocks:
     """One Linear as the blocks the kernels read (module docstring): q and z as stored, q + 2^(bits-1)."""
     cols = q.shape[1]
     group = cols // scale.shape[1]
@@ -120,20 +121,15 @@ def load_compressed_tensors(model_dir: str | Path, cfg: ModelConfig
     def read(name: str) -> Q4Blocks | Q8Blocks | torch.Tensor:
         scale, zero_point = state.pop(f"{name}.weight_scale", None), state.pop(f"{name}.weight_zero_point", None)
         if f"{name}.weight_packed" in state:
-            stored = _packed(name, state.pop(f"{name}.weight_packed"), scale, state.pop(f"{name}.weight_shape"),
-                             zero_point)
+            unpacked = _packed(name, state.pop(f"{name}.weight_packed"), scale, state.pop(f"{name}.weight_shape"),
+                               zero_point)
         elif scale is not None:
-            stored = _int8(state.pop(f"{name}.weight"), zero_point)
+            unpacked = _int8(state.pop(f"{name}.weight"), zero_point)
         else:
             return state[f"{name}.weight"]
-        return blocks(name, stored[0], stored[1], scale, stored[2])
+        return blocks(name, scale, *unpacked)
 
-    head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-    stored: dict[str, Weight] = {"lm_head": read(head)}
-    for i in range(cfg.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        stored[f"layers.{i}.qkv_proj"] = cat_rows([read(a + n + "_proj") for n in "qkv"])
-        stored[f"layers.{i}.o_proj"] = read(a + "o_proj")
-        stored[f"layers.{i}.gate_up_proj"] = cat_rows([read(m + "gate_proj"), read(m + "up_proj")])
-        stored[f"layers.{i}.down_proj"] = read(m + "down_proj")
-    return state, stored
+    def key(module: str) -> str:  # a LlamaForCausalLM checkpoint keeps all but its lm_head under `model.`
+        return module if module == "lm_head" else f"model.{module}"
+
+    return state, {name: cat_rows([read(key(s)) for s in sources]) for name, sources in fused_linears(cfg).items()}

@@ -383,6 +383,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def fused_linears(cfg: ModelConfig) -> dict[str, list[str]]:
+    """PagedLlama's Linears (q/k/v and gate/up fused) -> the HF modules they are made of, in order (HF names without
+    their `model.` prefix)."""
+    out = {"lm_head": ["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]}
+    for i in range(cfg.num_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        out[f"layers.{i}.qkv_proj"] = [a + n + "_proj" for n in "qkv"]
+        out[f"layers.{i}.o_proj"] = [a + "o_proj"]
+        out[f"layers.{i}.gate_up_proj"] = [m + "gate_proj", m + "up_proj"]
+        out[f"layers.{i}.down_proj"] = [m + "down_proj"]
+    return out
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                state: dict[str, torch.Tensor] | None = None, stored: Mapping[str, Weight] | None = None) -> PagedLlama:
     """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load), or from the folder's
@@ -404,20 +417,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         tensors = [state[s + ".weight"] for s in sources]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    fused: dict[str, torch.Tensor] = {
-        "embed_tokens.weight": state["embed_tokens.weight"],
-        "norm.weight": state["norm.weight"],
-        "lm_head.weight": linear("lm_head", ["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]),
-    }
+    fused: dict[str, torch.Tensor] = {"embed_tokens.weight": state["embed_tokens.weight"],
+                                      "norm.weight": state["norm.weight"]}
+    fused.update({name + ".weight": linear(name, sources) for name, sources in fused_linears(cfg).items()})
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        a = p + "self_attn."
-        fused[p + "qkv_proj.weight"] = linear(p + "qkv_proj", [a + n + "_proj" for n in "qkv"])
         if cfg.attention_bias:
-            fused[p + "qkv_proj.bias"] = torch.cat([state[a + n + "_proj.bias"] for n in "qkv"])
-        fused[p + "o_proj.weight"] = linear(p + "o_proj", [a + "o_proj"])
-        fused[p + "gate_up_proj.weight"] = linear(p + "gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
-        fused[p + "down_proj.weight"] = linear(p + "down_proj", [p + "mlp.down_proj"])
+            fused[p + "qkv_proj.bias"] = torch.cat([state[p + "self_attn." + n + "_proj.bias"] for n in "qkv"])
         fused[p + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
         fused[p + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
     with torch.device("meta"):

@@ -230,6 +230,8 @@ def _join_key(weight: Blocks | torch.Tensor) -> tuple:
 
 
 def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
+    if len(parts) == 1:  # as is: a tied lm_head stays the embedding's tensor, not a copy
+        return parts[0]
     if isinstance(parts[0], Q8Blocks):
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
         return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), m)
