@@ -30,7 +30,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.models.weight_blocks import Q8Blocks, from_gguf, q4_1, q8_0
+from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, from_gguf, q4_1, q8_0
 from backend.engine.runners import gemm
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
@@ -113,6 +113,21 @@ def test_q4_1_w4a8_is_exact_math_on_its_rounding(m, n, k):
     blocks = q4_1(w)
     assert blocks.q.max() <= 15 and (blocks.dequantize() - w).abs().max() <= blocks.d.max() / 2 + 1e-6
     y = gemm.TACTICS["q4_1_w4a8"].prepare(w, None)(x)
+    reference = q8_0(x).dequantize().double() @ blocks.dequantize().double().T
+    assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("m, n, k", [(1, 960, 1536), (13, 49, 256), (64, 577, 512)])
+def test_q4_1_w4a8_serves_iq4_blocks_through_their_table(type_name, m, n, k):
+    """Random GGUF IQ4_NL / IQ4_XS blocks: 4-bit indices into llama.cpp's 16 int8 values (w ~ d * values[q]), which
+    the kernel looks up in registers (VNNI: values + 128 unsigned; AVX2: |value| with its sign on x). Exact math on
+    their values times Q8_0-rounded activations, as the plain Q4_1 blocks above."""
+    rng = np.random.default_rng(m * n)
+    blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
+    assert isinstance(blocks, Q4Blocks) and blocks.values is not None and blocks.m is None and blocks.q.max() <= 15
+    x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+    y = gemm.TACTICS["q4_1_w4a8"].prepare(blocks, None)(x)
     reference = q8_0(x).dequantize().double() @ blocks.dequantize().double().T
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 

@@ -23,7 +23,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 # byte offsets of a block's float16 scales (d, and m or dmin; llama.cpp's structs) where d does not simply lead it
 SCALE_OFFSETS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
                  "Q6_K": (208,)}
-RANDOM_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf-py cannot round to these: write_gguf writes random blocks
+# gguf-py cannot round to these: write_gguf writes random blocks
+RANDOM_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 def scale_offsets(qtype: GGMLQuantizationType) -> tuple[int, ...]:

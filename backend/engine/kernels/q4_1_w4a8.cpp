@@ -11,6 +11,12 @@
 // Packed W (gemm.py): panels of 16 output channels; per 32-weight block 4 groups of [16 channels][4 consecutive k]
 // bytes, each byte holding k = 4g + j in its low nibble and k = 16 + 4g + j in its high one: one 64-byte load
 // feeds 16 lanes twice. d and m: [panels][K / 32][16] float32.
+//
+// With a table (GGUF IQ4_NL / IQ4_XS: w ~ d * values[q], values 16 int8, no min: m is not read) the nibble is an index,
+// looked up in registers by vpshufb (16 bytes: exactly one 128-bit lane). VNNI multiplies unsigned weights, so it looks
+// up u = values[q] + 128 and takes 128 d dx sum(qx) back out as the min would: m = -128 d, exact. AVX2's vpmaddubsw would
+// saturate on u (2 x 241 x 127 > 2^15), so it multiplies |values[q]| by qx with values[q]'s sign (vpsignb) and widens
+// each pair sum to int32 at once, as llama.cpp's IQ4_NL dot product does.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,11 +57,15 @@ inline int32_t four_bytes(const int8_t* p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
 
-template <int MR>
+template <int MR, bool kTable>
 inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
-                        const float* dp, const float* mp, float* y, int64_t ldy, bool prefetch) {
+                        const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
   const int64_t nb = K / kBlock;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i table = _mm512_setzero_si512();
+  if constexpr (kTable)  // values + 128 as bytes, in each 128-bit lane
+    table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))),
+                             _mm512_set1_epi8(static_cast<char>(0x80)));
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -70,7 +80,8 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
 #pragma GCC unroll 4
     for (int g = 0; g < 4; ++g) {
       const __m512i v = _mm512_loadu_si512(wb + g * 64);
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      if constexpr (kTable) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
@@ -78,7 +89,8 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
         dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(four_bytes(xb + 16)));
       }
     }
-    const __m512 wd = _mm512_loadu_ps(dp + b * kPanel), wm = _mm512_loadu_ps(mp + b * kPanel);
+    const __m512 wd = _mm512_loadu_ps(dp + b * kPanel);
+    const __m512 wm = kTable ? _mm512_mul_ps(wd, _mm512_set1_ps(-128.f)) : _mm512_loadu_ps(mp + b * kPanel);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xd[i * nb + b])), acc[i]);
@@ -91,11 +103,13 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kRows = 4;  // with two 8-channel halves per row: 8 float accumulators of AVX2's 16 registers
 
-template <int MR>
+template <int MR, bool kTable>
 inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
-                        const float* dp, const float* mp, float* y, int64_t ldy, bool prefetch) {
+                        const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
   const int64_t nb = K / kBlock;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i table = _mm256_setzero_si256();
+  if constexpr (kTable) table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
   __m256 acc[MR][2];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -113,19 +127,33 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
       for (int g = 0; g < 4; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + h * 32));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kTable) {  // int32 sums of |w| (x with w's sign): each pair <= 2 x 127 x 127 < 2^15
+          const __m256i wl = _mm256_shuffle_epi8(table, lo), wh = _mm256_shuffle_epi8(table, hi);
+          const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) {  // int16 sums: 8 x 2 x 15 x 127 < 2^15
-          const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
-          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xb))));
-          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xb + 16))));
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
+            const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xb)), wl));
+            const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xb + 16)), wh));
+            dot[i] = _mm256_add_epi32(dot[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+          }
+        } else {
+#pragma GCC unroll 16
+          for (int i = 0; i < MR; ++i) {  // int16 sums: 8 x 2 x 15 x 127 < 2^15
+            const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
+            dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xb))));
+            dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xb + 16))));
+          }
         }
       }
-      const __m256 wd = _mm256_loadu_ps(dp + b * kPanel + 8 * h), wm = _mm256_loadu_ps(mp + b * kPanel + 8 * h);
+      const __m256 wd = _mm256_loadu_ps(dp + b * kPanel + 8 * h);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i], ones));
+        const __m256 d = _mm256_cvtepi32_ps(kTable ? dot[i] : _mm256_madd_epi16(dot[i], ones));
         acc[i][h] = _mm256_fmadd_ps(d, _mm256_mul_ps(wd, _mm256_set1_ps(xd[i * nb + b])), acc[i][h]);
-        acc[i][h] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[i * nb + b]), acc[i][h]);
+        if constexpr (!kTable)
+          acc[i][h] = _mm256_fmadd_ps(_mm256_loadu_ps(mp + b * kPanel + 8 * h), _mm256_set1_ps(xs[i * nb + b]),
+                                      acc[i][h]);
       }
     }
   }
@@ -138,21 +166,38 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
 #endif
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
-template <int MR>
+template <int MR, bool kTable>
 inline void last_rows(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, const uint8_t* wp,
-                      const float* dp, const float* mp, float* y, int64_t ldy, int64_t m) {
+                      const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, int64_t m) {
   if constexpr (MR > 0) {
     const int64_t nb = K / kBlock;
     if (M - m == MR)
-      microkernel<MR>(xq + m * K, xd + m * nb, xs + m * nb, K, wp, dp, mp, y + m * ldy, ldy, m == 0);
+      microkernel<MR, kTable>(xq + m * K, xd + m * nb, xs + m * nb, K, wp, dp, mp, values, y + m * ldy, ldy, m == 0);
     else
-      last_rows<MR - 1>(xq, xd, xs, M, K, wp, dp, mp, y, ldy, m);
+      last_rows<MR - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y, ldy, m);
   }
+}
+
+template <bool kTable>  // threads split the panels; y has whole panels, ldy columns
+void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
+                    const uint8_t* w, const float* d, const float* m, const int8_t* values, float* y, int64_t ldy) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* wp = w + p * nb * kPanelBytes;
+      const float *dp = d + p * nb * kPanel, *mp = kTable ? nullptr : m + p * nb * kPanel;
+      int64_t r = 0;
+      for (; r + kRows <= M; r += kRows)
+        microkernel<kRows, kTable>(xq + r * K, xd + r * nb, xs + r * nb, K, wp, dp, mp, values,
+                                   y + r * ldy + p * kPanel, ldy, r == 0);
+      last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y + p * kPanel, ldy, r);
+    }
+  });
 }
 #endif
 
 at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
-                            int64_t out_features) {
+                            const at::Tensor& values, int64_t out_features) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "q4_1_w4a8_linear: x [M, K] float32 contiguous expected");
@@ -161,9 +206,13 @@ at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
               packed.size(1) == nb && packed.size(2) == kPanelBytes && panels * kPanel >= N,
               "q4_1_w4a8_linear: weight packed [panels, K / 32, 256] uint8 for in_features ", K, " expected");
+  const bool table = values.numel() > 0;
   TORCH_CHECK(d.is_contiguous() && d.sizes() == at::IntArrayRef({panels, nb, kPanel}) && d.scalar_type() == at::kFloat &&
-              m.is_contiguous() && m.sizes() == d.sizes() && m.scalar_type() == at::kFloat,
-              "q4_1_w4a8_linear: d and m [panels, K / 32, 16] float32 expected");
+              (table ? m.numel() == 0 : m.is_contiguous() && m.sizes() == d.sizes() && m.scalar_type() == at::kFloat),
+              "q4_1_w4a8_linear: d [panels, K / 32, 16] float32 expected, and m as d (without values) or empty");
+  TORCH_CHECK(!table || (values.sizes() == at::IntArrayRef({16}) && values.scalar_type() == at::kChar &&
+                         values.is_contiguous()),
+              "q4_1_w4a8_linear: values (the weight of each 4-bit index) [16] int8, or empty, expected");
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto xd = at::empty({M, nb}, x.options());
   auto xs = at::empty({M, nb}, x.options());
@@ -176,19 +225,12 @@ at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   const int64_t ldy = panels * kPanel;  // whole panels: the padded channels are cut off below
   auto y = at::empty({M, ldy}, x.options());
   const uint8_t* pw = packed.data_ptr<uint8_t>();
-  const float *pd = d.data_ptr<float>(), *pm = m.data_ptr<float>();
+  const float* pd = d.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* wp = pw + p * nb * kPanelBytes;
-      const float *dp = pd + p * nb * kPanel, *mp = pm + p * nb * kPanel;
-      int64_t r = 0;
-      for (; r + kRows <= M; r += kRows)
-        microkernel<kRows>(pxq + r * K, pxd + r * nb, pxs + r * nb, K, wp, dp, mp, py + r * ldy + p * kPanel, ldy,
-                           r == 0);
-      last_rows<kRows - 1>(pxq, pxd, pxs, M, K, wp, dp, mp, py + p * kPanel, ldy, r);
-    }
-  });
+  if (table)
+    panels_times_x<true>(pxq, pxd, pxs, M, K, panels, pw, pd, nullptr, values.data_ptr<int8_t>(), py, ldy);
+  else
+    panels_times_x<false>(pxq, pxd, pxs, M, K, panels, pw, pd, m.data_ptr<float>(), nullptr, py, ldy);
   return ldy == N ? y : y.narrow(1, 0, N).contiguous();
 #else
   TORCH_CHECK(false, "q4_1_w4a8_linear: needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
@@ -198,7 +240,7 @@ at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("q4_1_w4a8_linear(Tensor x, Tensor packed, Tensor d, Tensor m, int out_features) -> Tensor");
+  m.def("q4_1_w4a8_linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor values, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("q4_1_w4a8_linear", &q4_1_w4a8_linear); }

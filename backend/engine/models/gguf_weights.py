@@ -1,7 +1,7 @@
 """A Llama GGUF file's Linear weights as stored (`quantization: gguf`), named and fused like PagedLlama's modules.
 
-Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K and Q2_K tensors stay in their blocks; any other type gguf-py
-decodes (IQ4_NL, IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
+Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS tensors stay in their blocks; any other
+type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
 dequantizers compute them, and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not
 whole 256-value blocks, with Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole as blocks, and so
 are the other K-quant files (Q5_K_M, Q3_K_M, Q2_K); a fused q/k/v whose v is Q6_K beside Q4_K q/k is served in two

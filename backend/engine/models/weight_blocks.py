@@ -9,11 +9,12 @@ is a float32 tensor of its dequantized values (`Weight`), served by the float ta
   0..63, sc int8, d float16) is q - 32 on a scale per 16 weights, d * sc: exact in float32 (11 + 7 bits), and so is
   each weight, that times a 6-bit q; so is Q3_K (w ~ d (sc6 - 32) q per 16, q in -4..3). With a min per scale
   (w ~ q * scale + m): Q5_1 and Q5_K's 32-weight sub-blocks (q in 0..31; Q5_K's scale = d * scale6, m = -dmin *
-  min6, as Q4_K's), Q2_K's 16-weight ones (q in 0..3, d * sc4 and -dmin * min4). IQ4_NL and IQ4_XS: q is the
-  4-bit index's value in IQ4_VALUES (int8), the scale d (IQ4_XS: d * (sc6 - 32) per 32).
+  min6, as Q4_K's), Q2_K's 16-weight ones (q in 0..3, d * sc4 and -dmin * min4).
 - `Q4Blocks` (GGUF Q4_1): w ~ d * q + m, q in 0..15, a (d, m) pair per 32 weights. Q4_0 (w ~ d (q - 8)) is
   m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
-  so each GGUF 4-bit format reaches one kernel with its numbers unchanged.
+  so each GGUF 4-bit format reaches one kernel with its numbers unchanged. With `values` (IQ4_NL, IQ4_XS) q is an
+  index and there is no min: w ~ d * values[q], values llama.cpp's 16 int8 (IQ4_VALUES), d per 32 (IQ4_XS:
+  d * (sc6 - 32)); the kernel then reads 5 bits a weight instead of 6.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ class Q8Blocks:
 class Q4Blocks:
     q: torch.Tensor  # uint8 [N, K], values 0..15
     d: torch.Tensor  # float32 [N, K / 32]
-    m: torch.Tensor  # float32 [N, K / 32]
+    m: torch.Tensor | None  # float32 [N, K / 32]; None with values
+    values: torch.Tensor | None = None  # int8 [16]: the weight of each q, before d (None: q itself, plus m)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
+        if self.values is not None:
+            return (self.values[self.q.long()].float().reshape(n, -1, BLOCK) * self.d[..., None]).reshape(n, k)
         return (self.q.float().reshape(n, -1, BLOCK) * self.d[..., None] + self.m[..., None]).reshape(n, k)
 
 
@@ -190,16 +194,19 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         return Q8Blocks(torch.from_numpy(q), scale.reshape(rows, -1))
     if type_name == "IQ4_NL":  # per block: d f16, 16 bytes of indices (low nibbles the first 16 values)
         b = data.reshape(rows, nb, 18)
-        return Q8Blocks(torch.from_numpy(IQ4_VALUES[_nibbles(b[..., 2:])].reshape(rows, cols)), _half(b[..., :2]))
+        return _iq4(_nibbles(b[..., 2:]).reshape(rows, cols), _half(b[..., :2]).contiguous())
     if type_name == "IQ4_XS":  # per 256: d f16, 2 high bits of each 6-bit scale (uint16), their low nibbles (4 bytes),
         b = data.reshape(rows, cols // 256, 136)  # then per 32 values 16 bytes of indices as IQ4_NL's
         high = (np.ascontiguousarray(b[..., 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
         low = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(rows, -1, 8)
         sc6 = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
         scale = _half(b[..., :2])[..., None] * torch.from_numpy(sc6)
-        q = IQ4_VALUES[_nibbles(b[..., 8:].reshape(rows, -1, 8, 16))]
-        return Q8Blocks(torch.from_numpy(q.reshape(rows, cols)), scale.reshape(rows, nb))
+        return _iq4(_nibbles(b[..., 8:].reshape(rows, -1, 8, 16)).reshape(rows, cols), scale.reshape(rows, nb))
     raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
+
+
+def _iq4(index: np.ndarray, d: torch.Tensor) -> Q4Blocks:
+    return Q4Blocks(torch.from_numpy(index), d, None, torch.from_numpy(IQ4_VALUES))
 
 
 def rows_of(weight: Blocks | torch.Tensor) -> int:
@@ -219,13 +226,16 @@ def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | to
         return blocks[index]
     if isinstance(blocks, Q8Blocks):
         return Q8Blocks(blocks.q[index], blocks.scale[index], None if blocks.m is None else blocks.m[index])
-    return Q4Blocks(blocks.q[index], blocks.d[index], blocks.m[index])
+    return Q4Blocks(blocks.q[index], blocks.d[index], None if blocks.m is None else blocks.m[index], blocks.values)
 
 
 def _join_key(weight: Blocks | torch.Tensor) -> tuple:
-    """Parts with one key are served as one weight: the same class, and for Q8Blocks the same block and min or none."""
+    """Parts with one key are served as one weight: the same class, for Q8Blocks the same block and min or none, for
+    Q4Blocks the same values (or none)."""
     if isinstance(weight, Q8Blocks):
         return Q8Blocks, weight.block, weight.m is None
+    if isinstance(weight, Q4Blocks):
+        return Q4Blocks, None if weight.values is None else tuple(weight.values.tolist())
     return (type(weight),)
 
 
@@ -236,8 +246,8 @@ def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
         return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), m)
     if isinstance(parts[0], Q4Blocks):
-        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
-                        torch.cat([p.m for p in parts]))
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].values)
     return torch.cat(parts)
 
 

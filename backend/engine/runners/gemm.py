@@ -26,8 +26,9 @@ its weight form are the only candidates. Weights in llama.cpp's block forms (mod
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
   values of a row per scale), in int8 arithmetic (AVX512-VNNI only): llama.cpp's Q8_0 x Q8_0.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
-- `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32) times activations rounded to
-  int8 per 32, in int8 arithmetic (AVX512-VNNI, or AVX2): llama.cpp's Q4_1 x Q8_1.
+- `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32; GGUF IQ4_NL / IQ4_XS: d times
+  a 16-entry table's value of q) times activations rounded to int8 per 32, in int8 arithmetic (AVX512-VNNI, or
+  AVX2): llama.cpp's Q4_1 x Q8_1.
 `int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
 of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form (a fused one of
 mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths).
@@ -148,7 +149,8 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
     q = q.view(-1, 16, k // 32, 2, 4, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256).contiguous()
     d, m = _panel_major(blocks.d), _panel_major(blocks.m)
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q4_1_w4a8_linear(x, packed, d, m, n))
+    values = torch.empty(0, dtype=torch.int8) if blocks.values is None else blocks.values
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q4_1_w4a8_linear(x, packed, d, m, values, n))
 
 
 @dataclass(frozen=True)
