@@ -21,12 +21,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from backend.engine import EngineConfig, LLMEngine
-from backend.engine.models.gguf_weights import load_gguf_linears
+from backend.engine.models.compressed_tensors_weights import served_quantization
+from backend.engine.models.gguf_weights import gguf_file, load_gguf
 from backend.engine.models.weight_blocks import STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from backend.serving.detokenize import decode_text
-from backend.serving.model_store import prepare_default_model
+from backend.serving.model_store import prepare_default_model, prepare_gguf_folder
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
 from load_tests.bench_quantization import fixed_text
@@ -65,12 +66,16 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
 
 def test_the_stored_blocks_are_the_dequantized_model_exactly(tiny_gguf):
     """Names, fusion and llama.cpp's q/k row order: every served Linear (and the embedding) dequantizes to the
-    weights of the folder made from the same file, bit for bit."""
+    weights of the folder made from the same file, bit for bit, and the file's norms are the folder's."""
     model = TorchRunner(tiny_gguf, "float32", 16, 16, gemm_backend="aten").model
-    stored = load_gguf_linears(tiny_gguf, model.cfg)
+    state, stored = load_gguf(tiny_gguf, model.cfg)
     assert set(stored) == {"embed_tokens"} | {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for name, blocks in stored.items():
         assert torch.equal(blocks.dequantize(), model.get_submodule(name).weight), name
+    norms = {n.removeprefix("model."): w for n, w in state.items()}  # the rest of the model: its norms
+    assert set(norms) == {n for n, _ in model.named_parameters()} - {f"{n}.weight" for n in stored}
+    for name, weight in norms.items():
+        assert torch.equal(weight, model.get_parameter(name)), name
 
 
 def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_gguf):
@@ -101,7 +106,7 @@ def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
     two parts each, the F16 o_proj as its float32 values: each exactly the folder's weights, and served within the
     bounds above of float32 on the same values."""
     reference_runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, gemm_backend="aten")
-    stored = load_gguf_linears(tiny_q4_k_m, reference_runner.model.cfg)
+    _, stored = load_gguf(tiny_q4_k_m, reference_runner.model.cfg)
     forms = {name: type(w) for name, w in stored.items()}
     assert {name for name, form in forms.items() if form is torch.Tensor} == {f"layers.{i}.o_proj" for i in range(2)}
     down, lm_head = stored["layers.0.down_proj"], stored["lm_head"]
@@ -140,7 +145,7 @@ def test_an_iq4_file_is_served_by_the_4_bit_kernel(tmp_path_factory):
     model = make_tiny_llama(tmp_path_factory.mktemp("wide_llama"), hidden_size=256, intermediate_size=512, head_dim=64)
     folder = write_gguf(model, tmp_path_factory.mktemp("tiny_iq4"), IQ4)
     reference_runner = TorchRunner(folder, "float32", 64, 16, gemm_backend="aten")
-    stored = load_gguf_linears(folder, reference_runner.model.cfg)
+    _, stored = load_gguf(folder, reference_runner.model.cfg)
     gate_up, qkv = stored["layers.0.gate_up_proj"], stored["layers.0.qkv_proj"]
     assert isinstance(gate_up, Q4Blocks) and gate_up.values is not None and gate_up.m is None
     assert [p.values is None for p in qkv.parts] == [False, True]
@@ -165,6 +170,36 @@ def test_a_real_tritonserver_serves_the_file_as_the_engine_does(tmp_path_factory
         with LLMClient(srv.url_grpc, "llm") as client:
             text = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True).text
     assert text == decode_text(tokenizer, expected) and text
+
+
+def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_factory):
+    """What llama.cpp users have is the .gguf alone. Given as the model it gets a folder of the config and tokenizer
+    that transformers reads from the file's metadata, with no float weights; it is served as stored by itself, and
+    its greedy ids are those of the default model's folder with `quantization: gguf`, token for token. A real
+    tritonserver given the file streams their text."""
+    default = prepare_default_model(verbose=False)
+    file = gguf_file(default).resolve()
+    root = tmp_path_factory.mktemp("bare")
+    folder = prepare_gguf_folder(file, root)
+    assert folder == root / file.stem and not list(folder.glob("*.safetensors"))
+    assert prepare_gguf_folder(file, root) == folder and len(list(root.iterdir())) == 1  # prepared once
+    assert served_quantization(folder, "none") == "gguf"
+    with pytest.raises(ValueError, match="quantization: int8 rounds float weights, and .* has only a GGUF file"):
+        served_quantization(folder, "int8")
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer(fixed_text())["input_ids"] == load_tokenizer(default)(fixed_text())["input_ids"]
+    prompt = "The capital of France is"
+    prompts = [encode(tokenizer, prompt, False), TOKENS[:20]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = LLMEngine(EngineConfig.create(model=str(folder)))
+    assert engine.config.quantization == "gguf"
+    bare = engine.generate(prompts, params)
+    assert bare == LLMEngine(EngineConfig.create(model=str(default), quantization="gguf")).generate(prompts, params)
+    with start_server(tmp_path_factory.mktemp("repo_bare_gguf"), file, {}) as srv:
+        srv.wait_ready(300)
+        with LLMClient(srv.url_grpc, "llm") as client:
+            text = client.generate(prompt, max_tokens=16, ignore_eos=True, stream=True).text
+    assert text == decode_text(tokenizer, bare[0]) and text
 
 
 def test_the_engine_serves_gguf_and_frees_its_blocks(tiny_gguf):

