@@ -202,6 +202,16 @@ def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_fa
     assert text == decode_text(tokenizer, bare[0]) and text
 
 
+@pytest.mark.parametrize("arch, norms, message", [
+    ("qwen2", True, r"quantization: gguf serves Llama files \(no attention bias\); model.gguf is qwen2"),
+    ("llama", False, "quantization: gguf: tensor output_norm.weight is not in model.gguf")])
+def test_a_gguf_the_reader_cannot_serve_is_refused_by_name(tiny_model_dir, tmp_path, arch, norms, message):
+    """llama.cpp permutes q/k rows for Llama only: another architecture's file would be read wrongly."""
+    folder = write_gguf(tiny_model_dir, tmp_path, TYPES, arch, norms)
+    with pytest.raises(ValueError, match=message):
+        TorchRunner(folder, "float32", 16, 16, quantization="gguf")
+
+
 def test_the_engine_serves_gguf_and_frees_its_blocks(tiny_gguf):
     engine = LLMEngine(EngineConfig.create(model=str(tiny_gguf), quantization="gguf"))
     [out] = engine.generate([TOKENS[:20]], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -58,10 +58,12 @@ def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.n
     return raw.reshape(rows, -1)
 
 
-def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
+def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str], arch: str = "llama",
+               norms: bool = True) -> Path:
     """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` (those
-    Linears and the embedding, and the float32 norms) next to them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes
-    (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of RANDOM_ONLY (random blocks)."""
+    Linears and the embedding, and the float32 norms) next to them. `types`: GGUF tensor suffix (`attn_q`,
+    `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of
+    RANDOM_ONLY (random blocks). `arch` and `norms` (False: none written) make files the reader must refuse."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -76,7 +78,7 @@ def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
                       hf + "mlp.up_proj.weight": (g + "ffn_up.weight", None),
                       hf + "mlp.down_proj.weight": (g + "ffn_down.weight", None)})
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(str(out_dir / "model.gguf"), "llama")
+    writer = GGUFWriter(str(out_dir / "model.gguf"), arch)
     for hf_name, (name, permute_heads) in names.items():
         w = state[hf_name].numpy()
         if permute_heads:
@@ -89,11 +91,11 @@ def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str]) -> Path:
             back = back.reshape(permute_heads, back.shape[0] // permute_heads // 2, 2, -1).swapaxes(1, 2).reshape(
                 back.shape)
         state[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
-    norms = {"model.norm.weight": "output_norm.weight"}
+    norm_names = {"model.norm.weight": "output_norm.weight"}
     for i in range(cfg["num_hidden_layers"]):
-        norms.update({f"model.layers.{i}.input_layernorm.weight": f"blk.{i}.attn_norm.weight",
+        norm_names.update({f"model.layers.{i}.input_layernorm.weight": f"blk.{i}.attn_norm.weight",
                       f"model.layers.{i}.post_attention_layernorm.weight": f"blk.{i}.ffn_norm.weight"})
-    for hf_name, name in norms.items():  # float32, as llama.cpp's converter writes norms
+    for hf_name, name in norm_names.items() if norms else ():  # float32, as llama.cpp's converter writes norms
         writer.add_tensor(name, state[hf_name].float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

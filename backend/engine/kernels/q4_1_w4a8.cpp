@@ -12,11 +12,11 @@
 // bytes, each byte holding k = 4g + j in its low nibble and k = 16 + 4g + j in its high one: one 64-byte load
 // feeds 16 lanes twice. d and m: [panels][K / 32][16] float32.
 //
-// With a table (GGUF IQ4_NL / IQ4_XS: w ~ d * values[q], values 16 int8, no min: m is not read) the nibble is an index,
-// looked up in registers by vpshufb (16 bytes: exactly one 128-bit lane). VNNI multiplies unsigned weights, so it looks
-// up u = values[q] + 128 and takes 128 d dx sum(qx) back out as the min would: m = -128 d, exact. AVX2's vpmaddubsw would
-// saturate on u (2 x 241 x 127 > 2^15), so it multiplies |values[q]| by qx with values[q]'s sign (vpsignb) and widens
-// each pair sum to int32 at once, as llama.cpp's IQ4_NL dot product does.
+// With a table (GGUF IQ4_NL / IQ4_XS: w ~ d * values[q], values 16 int8, no min: m is not read) the nibble is an
+// index, looked up in registers by vpshufb (16 bytes: exactly one 128-bit lane). VNNI multiplies unsigned weights, so
+// it looks up u = values[q] + 128 and takes 128 d dx sum(qx) back out as the min would: m = -128 d, exact. AVX2's
+// vpmaddubsw would saturate on u (2 x 241 x 127 > 2^15), so it multiplies |values[q]| by qx with values[q]'s sign
+// (vpsignb) and widens each pair sum to int32 at once, as llama.cpp's IQ4_NL dot product does.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -135,7 +135,8 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
             const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
             const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xb)), wl));
             const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(four_bytes(xb + 16)), wh));
-            dot[i] = _mm256_add_epi32(dot[i], _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+            dot[i] = _mm256_add_epi32(dot[i],
+                                      _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
           }
         } else {
 #pragma GCC unroll 16

@@ -52,8 +52,13 @@ def load_gguf(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.
                          f"{arch}")
     tensors = {t.name: t for t in reader.tensors}
 
+    def tensor(name: str):
+        if name not in tensors:
+            raise ValueError(f"quantization: gguf: tensor {name} is not in {gguf_file(model_dir).name}")
+        return tensors[name]
+
     def norm(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(tensors[name].data, dtype=np.float32).reshape(-1))
+        return torch.from_numpy(np.array(tensor(name).data, dtype=np.float32).reshape(-1))
 
     state = {"model.norm.weight": norm("output_norm.weight")}
     for i in range(cfg.num_layers):
@@ -61,9 +66,7 @@ def load_gguf(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.
         state[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(f"blk.{i}.ffn_norm.weight")
 
     def read(name: str) -> Blocks | torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"quantization: gguf: tensor {name} is not in {gguf_file(model_dir).name}")
-        t = tensors[name]
+        t = tensor(name)
         cols, rows = (int(n) for n in t.shape)  # GGUF lists the row length first
         if t.tensor_type.name in STORED:
             return from_gguf(t.tensor_type.name, t.data, rows, cols)
