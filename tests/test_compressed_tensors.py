@@ -173,8 +173,9 @@ def _edited(checkpoint: Path, out: Path, edit) -> Path:
                                      r"\(compressed-tensors\): set none or compressed-tensors"),
     ({"runtime": "onnxruntime", "engine_dir": "/nonexistent"}, None,
      "quantization: compressed-tensors is served by runtime torch, not onnxruntime"),
-    ({}, lambda c: c["quantization_config"].update(quant_method="gptq"),
-     r"model: .* is a gptq checkpoint \(config.json quantization_config.quant_method\)"),
+    ({}, lambda c: c["quantization_config"].update(quant_method="bitsandbytes"),
+     r"model: .* is a bitsandbytes checkpoint \(config.json quantization_config.quant_method\); served are "
+     "compressed-tensors, gptq, awq checkpoints and GGUF files"),
     ({}, lambda c: c["quantization_config"].update(format="float-quantized"),
      r"model: .* is compressed-tensors of format \['float-quantized'\]; served are pack-quantized, int-quantized"),
 ])
@@ -198,13 +199,16 @@ def test_groups_of_16_are_refused_by_name(wide_llama, tmp_path):
 
 
 def test_a_real_tritonserver_serves_the_checkpoint_as_the_engine_does(tmp_path_factory, checkpoints):
+    assert_served_as_the_engine_serves(checkpoints["w4a16"], tmp_path_factory.mktemp("repo_ct"))
+
+
+def assert_served_as_the_engine_serves(checkpoint: Path, repo: Path) -> None:
     """Nothing set in config.pbtxt: the streamed text is what the engine's own greedy ids decode to."""
-    checkpoint = checkpoints["w4a16"]
     tokenizer = load_tokenizer(checkpoint)
     prompt = "The quick brown fox"
     engine = LLMEngine(EngineConfig.create(model=str(checkpoint)))
     [expected] = engine.generate([encode(tokenizer, prompt, False)], SamplingParams(max_tokens=24, ignore_eos=True))
-    with start_server(tmp_path_factory.mktemp("repo_ct"), checkpoint, {}) as srv:
+    with start_server(repo, checkpoint, {}) as srv:
         srv.wait_ready(300)
         with LLMClient(srv.url_grpc, "llm") as client:
             text = client.generate(prompt, max_tokens=24, ignore_eos=True, stream=True).text

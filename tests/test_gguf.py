@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
 from backend.engine import EngineConfig, LLMEngine
-from backend.engine.models.compressed_tensors_weights import served_quantization
+from backend.engine.models.checkpoint_format import served_quantization
 from backend.engine.models.gguf_weights import gguf_file, load_gguf
 from backend.engine.models.weight_blocks import STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
 from backend.engine.runners.torch_runner import TorchRunner

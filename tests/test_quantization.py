@@ -190,7 +190,8 @@ def test_int8_auto_picks_among_int8_tactics_and_serves(tiny_model_dir):
 
 @pytest.mark.parametrize("settings, words", [
     ({"quantization": "int5"},
-     "quantization: expected one of ['none', 'int8', 'int4', 'gguf', 'compressed-tensors'], got 'int5'"),
+     "quantization: expected one of ['none', 'int8', 'int4', 'gguf', 'compressed-tensors', 'gptq', 'awq'], got "
+     "'int5'"),
     ({"quantization": "int4", "gemm_backend": "onednn"}, "gemm_backend: onednn cannot run float32 on this cpu (not a "),
     ({"quantization": "int8", "gemm_backend": "q4_1_w4a8"}, "gemm_backend: q4_1_w4a8 cannot run float32 on this cpu "
                                                             "(not a int8 tactic"),

@@ -21,8 +21,8 @@ tensors, served by the float tactics. Refused by name: other formats (float8, nv
 
 from __future__ import annotations
 
-import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,41 +35,14 @@ METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "int-quantized")  # W4A16, W4A16_ASYM, W8A16; W8A8
 
 
-def _quantization_config(model_dir: str | Path) -> dict | None:
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
-
-
-def served_quantization(model_dir: str | Path, asked: str) -> str:
-    """The `quantization` that serves `model_dir`: `asked`, or for a checkpoint quantized by compressed-tensors
-    (config.json's `quantization_config`) compressed-tensors itself, which rounds nothing further; a folder whose only
-    weights are a GGUF file (a bare `.gguf` given as the model) is served as stored, `gguf`."""
-    folder = Path(model_dir)
-    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.gguf")):
-        if asked not in ("none", "gguf"):
-            raise ValueError(f"quantization: {asked} rounds float weights, and {folder} has only a GGUF file: set none "
-                             "or gguf")
-        return "gguf"
-    qconfig = _quantization_config(model_dir)
-    if qconfig is None:
-        if asked == METHOD:
-            raise ValueError(f"quantization: {METHOD} serves a checkpoint it quantized; {model_dir}/config.json has "
-                             "no quantization_config")
-        return asked
-    method = qconfig.get("quant_method")
-    if method != METHOD:
-        raise ValueError(f"model: {model_dir} is a {method} checkpoint (config.json quantization_config.quant_method);"
-                         f" served are {METHOD} (pack-quantized) checkpoints and GGUF files")
-    if asked not in ("none", METHOD):
-        raise ValueError(f"quantization: {asked} rounds a float checkpoint, and {model_dir} is quantized already "
-                         f"({METHOD}): set none or {METHOD}")
+def check_config(model_dir: str | Path, qconfig: dict) -> None:
+    """Refuses by name a compressed-tensors checkpoint of a format not served (float8, nvfp4, ...)."""
     formats = {qconfig.get("format")} | {g.get("format") for g in qconfig.get("config_groups", {}).values()}
     if other := sorted(formats - {None, *FORMATS}):
         raise ValueError(f"model: {model_dir} is {METHOD} of format {other}; served are {', '.join(FORMATS)}")
-    return METHOD
 
 
-def _unpack(packed: torch.Tensor, bits: int, rows: int, cols: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, bits: int, rows: int, cols: int) -> torch.Tensor:
     """int32 [rows, words], value i at bits i * bits -> uint8 [rows, cols] as stored (q + 2^(bits-1))."""
     if sys.byteorder != "little":
         raise RuntimeError(f"{METHOD}: the packed words are read as little-endian bytes")
@@ -86,8 +59,8 @@ def _packed(name: str, packed: torch.Tensor, scale: torch.Tensor, shape: torch.T
     if bits not in (4, 8) or packed.shape[1] * 32 != bits * cols:
         raise ValueError(f"{METHOD}: {name} is {packed.shape[1] * 32 / cols:g}-bit; served are 4 and 8 bits")
     # the zero point is packed along the output channels: unpack its transpose
-    z = None if zero_point is None else _unpack(zero_point.t(), bits, scale.shape[1], rows).t()
-    return _unpack(packed, bits, rows, cols), bits, z
+    z = None if zero_point is None else unpack(zero_point.t(), bits, scale.shape[1], rows).t()
+    return unpack(packed, bits, rows, cols), bits, z
 
 
 def _int8(weight: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
@@ -98,13 +71,14 @@ def _int8(weight: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.
     return offset(weight), 8, None if zero_point is None else offset(zero_point)
 
 
-def blocks(name: str, scale: torch.Tensor, q: torch.Tensor, bits: int, z: torch.Tensor | None
+def blocks(label: str, scale: torch.Tensor, q: torch.Tensor, bits: int, z: torch.Tensor | None
            ) -> Q4Blocks | Q8Blocks:
-    """One Linear as the blocks the kernels read (module docstring): q and z as stored, q + 2^(bits-1)."""
+    """One Linear (`label`: its reader and name, for errors) as the blocks the kernels read (module docstring): w =
+    s (q - z), q and z stored unsigned (0 .. 2^bits - 1), z None for 2^(bits-1). GPTQ and AWQ read into it too."""
     cols = q.shape[1]
     group = cols // scale.shape[1]
     if group * scale.shape[1] != cols or group % BLOCK:
-        raise ValueError(f"{METHOD}: {name} has {scale.shape[1]} scales along rows of {cols} weights; served are "
+        raise ValueError(f"{label} has {scale.shape[1]} scales along rows of {cols} weights; served are "
                          f"groups of whole {BLOCK}-weight blocks that divide a row")
     offset = 1 << (bits - 1)
     s = scale.float().repeat_interleave(group // BLOCK, dim=1)
@@ -114,18 +88,37 @@ def blocks(name: str, scale: torch.Tensor, q: torch.Tensor, bits: int, z: torch.
     return Q8Blocks((q.int() - offset).to(torch.int8), s, None if z is None else -(s * (zf - offset)))
 
 
-def load_compressed_tensors(model_dir: str | Path, cfg: ModelConfig
-                            ) -> tuple[dict[str, torch.Tensor], dict[str, Weight]]:
-    """The checkpoint's float tensors (embedding, norms, an unquantized lm_head: HF names), and PagedLlama's Linears
-    (`layers.0.qkv_proj`, ..., `lm_head`) as stored, q/k/v and gate/up fused."""
+def read_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))
+    return state
+
+
+def stored_linears(state: dict[str, torch.Tensor], cfg: ModelConfig,
+                   read: Callable[[str], Q4Blocks | Q8Blocks | None]) -> dict[str, Weight]:
+    """PagedLlama's Linears (`layers.0.qkv_proj`, ..., `lm_head`), q/k/v and gate/up fused, each HF Linear (`read` by
+    its HF name) as stored, or its float `.weight` where `read` gives None (an unquantized lm_head)."""
+    def key(module: str) -> str:  # a LlamaForCausalLM checkpoint keeps all but its lm_head under `model.`
+        return module if module == "lm_head" else f"model.{module}"
+
+    def weight(name: str) -> Weight:
+        stored = read(name)
+        return state[f"{name}.weight"] if stored is None else stored
+
+    return {name: cat_rows([weight(key(s)) for s in sources]) for name, sources in fused_linears(cfg).items()}
+
+
+def load_compressed_tensors(model_dir: str | Path, cfg: ModelConfig
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, Weight]]:
+    """The checkpoint's float tensors (embedding, norms, an unquantized lm_head: HF names), and PagedLlama's Linears
+    as stored (`stored_linears`)."""
+    state = read_state(model_dir)
     if any(k.endswith(".weight_g_idx") for k in state):
         raise ValueError(f"{METHOD}: {model_dir} orders its groups by activation (weight_g_idx); served are "
                          "checkpoints without (actorder: null or weight)")
 
-    def read(name: str) -> Q4Blocks | Q8Blocks | torch.Tensor:
+    def read(name: str) -> Q4Blocks | Q8Blocks | None:
         scale, zero_point = state.pop(f"{name}.weight_scale", None), state.pop(f"{name}.weight_zero_point", None)
         if f"{name}.weight_packed" in state:
             unpacked = _packed(name, state.pop(f"{name}.weight_packed"), scale, state.pop(f"{name}.weight_shape"),
@@ -133,10 +126,7 @@ def load_compressed_tensors(model_dir: str | Path, cfg: ModelConfig
         elif scale is not None:
             unpacked = _int8(state.pop(f"{name}.weight"), zero_point)
         else:
-            return state[f"{name}.weight"]
-        return blocks(name, scale, *unpacked)
+            return None
+        return blocks(f"{METHOD}: {name}", scale, *unpacked)
 
-    def key(module: str) -> str:  # a LlamaForCausalLM checkpoint keeps all but its lm_head under `model.`
-        return module if module == "lm_head" else f"model.{module}"
-
-    return state, {name: cat_rows([read(key(s)) for s in sources]) for name, sources in fused_linears(cfg).items()}
+    return state, stored_linears(state, cfg, read)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from backend.engine.config import EngineConfig
-from backend.engine.models.compressed_tensors_weights import served_quantization
+from backend.engine.models.checkpoint_format import served_quantization
 from backend.engine.runners.base import Runner
 from backend.engine.runners.gemm import AS_STORED
 

@@ -60,8 +60,8 @@ from backend.engine.models.weight_blocks import Blocks, Q4Blocks, Q8Blocks, Weig
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
-QUANTIZATIONS = ("none", "int8", "int4", "gguf", "compressed-tensors")
-AS_STORED = ("gguf", "compressed-tensors")  # a checkpoint's own blocks, each Linear served in its form
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "compressed-tensors", "gptq", "awq")
+AS_STORED = ("gguf", "compressed-tensors", "gptq", "awq")  # a checkpoint's own blocks, served in their forms
 LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 _lock = threading.Lock()

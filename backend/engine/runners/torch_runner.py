@@ -8,8 +8,8 @@ GEMM (runners/gemm.py): "auto" measures the candidates on this CPU, a tactic nam
 "int8" / "int4" makes the candidates the int8 / int4 tactics (weights rounded at load, float copies released);
 "gguf" serves the model folder's GGUF file as stored (models/gguf_weights.py), its embedding table and norms
 included (picked by itself where the folder has no other weights);
-"compressed-tensors" a checkpoint's int4 / int8 Linears as stored (models/compressed_tensors_weights.py), picked
-from the folder's config.json by itself.
+"compressed-tensors", "gptq", "awq" a checkpoint's int4 / int8 Linears as stored (models/compressed_tensors_weights.py,
+models/gptq_awq_weights.py), picked from the folder's config.json by itself (models/checkpoint_format.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from pathlib import Path
 import torch
 
 from backend.engine.batch import ModelInput
+from backend.engine.models.checkpoint_format import quantization_config, served_quantization
 from backend.engine.models.compressed_tensors_weights import METHOD as CT
-from backend.engine.models.compressed_tensors_weights import load_compressed_tensors, served_quantization
+from backend.engine.models.compressed_tensors_weights import load_compressed_tensors
 from backend.engine.models.gguf_weights import load_gguf
+from backend.engine.models.gptq_awq_weights import METHODS as GPTQ_AWQ
+from backend.engine.models.gptq_awq_weights import load_gptq_awq
 from backend.engine.models.llama import KernelLayout, load_model, load_model_config
 from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
@@ -64,7 +67,10 @@ class TorchRunner:
         state = stored = None
         if quantization == CT:
             state, stored = load_compressed_tensors(model_dir, load_model_config(model_dir))
-            log.info("%s: %s's Linears served as stored", CT, model_dir)
+        if quantization in GPTQ_AWQ:
+            state, stored = load_gptq_awq(model_dir, load_model_config(model_dir), quantization_config(model_dir))
+        if quantization in (CT, *GPTQ_AWQ):
+            log.info("%s: %s's Linears served as stored", quantization, model_dir)
         if quantization == "gguf":
             state, stored = load_gguf(model_dir, load_model_config(model_dir))
         self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored)

@@ -1,0 +1,47 @@
+"""What quantization serves a model folder (vLLM reads it from the folder too): a checkpoint quantized by
+compressed-tensors, GPTQ or AWQ (config.json's `quantization_config.quant_method`) is served as stored by its own
+reader, and a folder whose only weights are a GGUF file (a bare `.gguf` given as the model) as `gguf`. `int8` / `int4`
+round float weights, so they are refused for a folder that has none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backend.engine.models import compressed_tensors_weights, gptq_awq_weights
+
+CHECKPOINT_METHODS = (compressed_tensors_weights.METHOD, *gptq_awq_weights.METHODS)
+
+
+def quantization_config(model_dir: str | Path) -> dict | None:
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+
+
+def served_quantization(model_dir: str | Path, asked: str) -> str:
+    """The `quantization` that serves `model_dir`: `asked`, or the checkpoint's own method, or `gguf` (module
+    docstring); what does not fit is refused by name."""
+    folder = Path(model_dir)
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.gguf")):
+        if asked not in ("none", "gguf"):
+            raise ValueError(f"quantization: {asked} rounds float weights, and {folder} has only a GGUF file: set none "
+                             "or gguf")
+        return "gguf"
+    qconfig = quantization_config(model_dir)
+    if qconfig is None:
+        if asked in CHECKPOINT_METHODS:
+            raise ValueError(f"quantization: {asked} serves a checkpoint it quantized; {model_dir}/config.json has no "
+                             "quantization_config")
+        return asked
+    method = qconfig.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"model: {model_dir} is a {method} checkpoint (config.json quantization_config.quant_method);"
+                         f" served are {', '.join(CHECKPOINT_METHODS)} checkpoints and GGUF files")
+    if asked not in ("none", method):
+        raise ValueError(f"quantization: {asked} rounds a float checkpoint, and {model_dir} is quantized already "
+                         f"({method}): set none or {method}")
+    if method == compressed_tensors_weights.METHOD:
+        compressed_tensors_weights.check_config(model_dir, qconfig)
+    else:
+        gptq_awq_weights.check_config(model_dir, qconfig)
+    return method
