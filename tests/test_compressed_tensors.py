@@ -76,12 +76,14 @@ def exact_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def float_folder(checkpoint: Path, out: Path) -> Path:
-    """The checkpoint with its Linears as their exact float32 values: the bounds' reference."""
+def float_folder(checkpoint: Path, out: Path, exact: dict[str, torch.Tensor] | None = None) -> Path:
+    """The checkpoint with its quantized Linears (`exact`: HF name -> values; default `exact_weights`) as their exact
+    float32 values: the bounds' reference."""
+    exact = exact_weights(checkpoint) if exact is None else exact
     out.mkdir()
     state = {k: v for k, v in load_file(str(checkpoint / "model.safetensors")).items()
-             if not k.rsplit(".", 1)[1].startswith("weight_")}
-    state.update({f"{name}.weight": w.float() for name, w in exact_weights(checkpoint).items()})
+             if k.rsplit(".", 1)[0] not in exact}
+    state.update({f"{name}.weight": w.float() for name, w in exact.items()})
     save_file({k: v.float().contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     config = json.loads((checkpoint / "config.json").read_text())
     del config["quantization_config"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.compressors.pack_quantized import unpack_from_int32
 from safetensors.torch import load_file, save_file
 
 from backend.engine import EngineConfig, LLMEngine
@@ -20,12 +21,13 @@ from backend.engine.models.checkpoint_format import quantization_config
 from backend.engine.models.compressed_tensors_weights import load_compressed_tensors
 from backend.engine.models.gptq_awq_weights import load_gptq_awq
 from backend.engine.models.llama import load_model_config
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, as_float
+from backend.engine.models.weight_blocks import InputsPermuted, Q4Blocks, Q8Blocks, Stacked, as_float
+from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from load_tests.compressed_checkpoint import compress_checkpoint
 from load_tests.gptq_awq_checkpoint import convert
-from tests.test_compressed_tensors import assert_served_as_the_engine_serves
-from tests.test_quantization import TOKENS
+from tests.test_compressed_tensors import LINEARS, assert_served_as_the_engine_serves, float_folder
+from tests.test_quantization import TOKENS, all_logits, assert_near
 from tests.tiny_model import make_tiny_llama
 
 # name: (compressed-tensors scheme, group, method, GPTQ checkpoint_format); float16 scales, as GPTQ and AWQ store them
@@ -34,6 +36,9 @@ CHECKPOINTS = {"gptq_sym_g128": ("W4A16", None, "gptq", "gptq"),
                "gptq_v2_asym_g64": ("W4A16_ASYM", 64, "gptq", "gptq_v2"),
                "gptq_8bit_g64": ("W8A16", 64, "gptq", "gptq"),
                "awq_g64": ("W4A16_ASYM", 64, "awq", None)}
+# act-order (desc_act: true): each Linear's inputs shuffled by a seeded permutation, g_idx as act-order writes it
+ACT_ORDER = {"gptq_act_order_asym_g32": ("W4A16_ASYM", 32, "gptq", "gptq"),
+             "gptq_act_order_8bit_g64": ("W8A16", 64, "gptq", "gptq")}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +48,12 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     model = make_tiny_llama(root / "float", hidden_size=256, intermediate_size=512, head_dim=64)
     sources: dict[tuple, Path] = {}
     out = {}
-    for name, (scheme, group, method, fmt) in CHECKPOINTS.items():
+    for name, (scheme, group, method, fmt) in {**CHECKPOINTS, **ACT_ORDER}.items():
         if (scheme, group) not in sources:
             sources[scheme, group] = compress_checkpoint(model, root / f"ct_{scheme}_{group}", scheme, group,
                                                          dtype="float16")
-        out[name] = sources[scheme, group], convert(sources[scheme, group], root / name, method, fmt or "gptq")
+        out[name] = sources[scheme, group], convert(sources[scheme, group], root / name, method, fmt or "gptq",
+                                                    act_order_seed=0 if name in ACT_ORDER else None)
     return out
 
 
@@ -101,6 +107,76 @@ def test_the_engine_serves_it_by_itself_as_its_compressed_tensors_source(folders
     assert all(len(out) == 12 for out in ours) and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def act_order_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every Linear of a GPTQ checkpoint as its g_idx says, w[n, k] = s[g, n] (q[n, k] - z[g, n]) with g = g_idx[k],
+    in float64, unpacked by compressed-tensors' `unpack_from_int32` (not by the reader under test)."""
+    state, qconfig = load_file(str(checkpoint / "model.safetensors")), quantization_config(checkpoint)
+    bits = qconfig["bits"]
+    offset = 1 << (bits - 1)
+    out = {}
+    for name in [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]:
+        scales, g_idx = state[f"{name}.scales"].double(), state[f"{name}.g_idx"].long()
+        (groups, n), k = scales.shape, g_idx.shape[0]
+        q = unpack_from_int32(state[f"{name}.qweight"].t().contiguous(), bits, torch.Size((n, k))).double() + offset
+        z = unpack_from_int32(state[f"{name}.qzeros"], bits, torch.Size((groups, n))).double() + offset + 1  # v1: z - 1
+        z = torch.full_like(z, offset) if qconfig["sym"] else z
+        out[name] = scales[g_idx].t() * (q - z[g_idx].t())
+    return out
+
+
+@pytest.mark.parametrize("name", ACT_ORDER)
+def test_an_act_order_checkpoint_is_read_as_its_g_idx_says(folders, name):
+    """The inputs sorted by group for the kernels, and gathered back: every value exact; q/k/v, in one order (they
+    share their input), one weight."""
+    checkpoint = folders[name][1]
+    cfg = load_model_config(checkpoint)
+    _, stored = load_gptq_awq(checkpoint, cfg, quantization_config(checkpoint))
+    exact = act_order_weights(checkpoint)
+    assert len(exact) == 7 * cfg.num_layers and quantization_config(checkpoint)["desc_act"]
+    fused = {"qkv_proj": LINEARS[:3], "o_proj": LINEARS[3:4], "gate_up_proj": LINEARS[4:6], "down_proj": LINEARS[6:]}
+    for i in range(cfg.num_layers):
+        for ours, theirs in fused.items():
+            expected = torch.cat([exact[f"model.layers.{i}.{n}"] for n in theirs])
+            assert torch.equal(as_float(stored[f"layers.{i}.{ours}"]).double(), expected), (name, i, ours)
+    assert all(isinstance(stored[f"layers.0.{ours}"], InputsPermuted) for ours in fused)
+
+
+def _v_in_its_own_order(state: dict[str, torch.Tensor]) -> None:
+    """Layer 0's v_proj read in another order than q/k's: its groups (64 inputs each) reversed."""
+    key = "model.layers.0.self_attn.v_proj.g_idx"
+    state[key] = (state[key].max() - state[key]).contiguous()
+
+
+@pytest.mark.parametrize("v_alone", [False, True])
+def test_an_8_bit_act_order_checkpoint_with_float_activations_is_float32_on_its_values(folders, tmp_path, v_alone):
+    """The weight-only `q8_0` forced: float32's logits on the same values to its summation order, so every Linear
+    gathers its inputs in its blocks' order; with v in its own order, q/k/v are served in two parts."""
+    checkpoint = folders["gptq_act_order_8bit_g64"][1]
+    if v_alone:
+        checkpoint = _edited(checkpoint, tmp_path / "v", state_edit=_v_in_its_own_order)
+        _, stored = load_gptq_awq(checkpoint, load_model_config(checkpoint), quantization_config(checkpoint))
+        assert isinstance(stored["layers.0.qkv_proj"], Stacked) and len(stored["layers.0.qkv_proj"].parts) == 2
+    exact = act_order_weights(checkpoint)
+    reference = all_logits(TorchRunner(float_folder(checkpoint, tmp_path / "f", exact), "float32", 64, 16,
+                                       gemm_backend="aten"))
+    runner = TorchRunner(checkpoint, "float32", 64, 16, gemm_backend="q8_0")
+    assert set(runner.gemm_tactics.values()) - {"aten", "onednn"} == {"q8_0"}
+    assert_near(all_logits(runner), reference, 1e-5, 1.0)
+
+
+def test_a_4_bit_act_order_checkpoint_is_served_within_bounds_of_float32_on_its_values(folders, tmp_path):
+    """The default tactics (int8 activations, rounded per 32 in the blocks' order), the compressed-tensors bounds (measured
+    0.076 / 86 %)."""
+    checkpoint = folders["gptq_act_order_asym_g32"][1]
+    reference = all_logits(TorchRunner(float_folder(checkpoint, tmp_path / "f", act_order_weights(checkpoint)),
+                                       "float32", 64, 16, gemm_backend="aten"))
+    engine = LLMEngine(EngineConfig.create(model=str(checkpoint)))
+    assert "q4_1_w4a8" in set(engine.runner.gemm_tactics.values())
+    assert_near(all_logits(engine.runner), reference, 0.10, 0.80)
+    [out] = engine.generate([TOKENS[:20]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def _edited(checkpoint: Path, out: Path, config_edit=None, state_edit=None) -> Path:
     shutil.copytree(checkpoint, out)
     if config_edit:
@@ -114,9 +190,8 @@ def _edited(checkpoint: Path, out: Path, config_edit=None, state_edit=None) -> P
     return out
 
 
-def _shuffle_g_idx(state: dict[str, torch.Tensor]) -> None:
-    key = "model.layers.0.self_attn.q_proj.g_idx"
-    state[key] = state[key].flip(0).contiguous()
+def _uneven_g_idx(state: dict[str, torch.Tensor]) -> None:
+    state["model.layers.0.self_attn.q_proj.g_idx"][0] = 1
 
 
 @pytest.mark.parametrize("name, settings, config_edit, state_edit, error", [
@@ -131,8 +206,8 @@ def _shuffle_g_idx(state: dict[str, torch.Tensor]) -> None:
     ("awq_g64", {}, lambda c: c.update(version="gemv"), None, r"model: .* is awq version 'gemv'; served is gemm"),
     ("gptq_sym_g128", {}, lambda c: c.update(checkpoint_format="marlin"), None,
      r"model: .* is gptq of checkpoint_format 'marlin'; served are gptq, gptq_v2"),
-    ("gptq_sym_g128", {}, lambda c: c.update(desc_act=True), _shuffle_g_idx,
-     r"gptq: model.layers.0.self_attn.q_proj orders its groups by activation \(g_idx, desc_act: true\)"),
+    ("gptq_sym_g128", {}, lambda c: c.update(desc_act=True), _uneven_g_idx,
+     r"gptq: model.layers.0.self_attn.q_proj's g_idx does not give each of its 2 groups 128 inputs"),
 ])
 def test_what_is_not_served_is_refused_by_name(folders, tmp_path, name, settings, config_edit, state_edit, error):
     model = folders[name][1]

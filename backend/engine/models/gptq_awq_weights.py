@@ -7,12 +7,14 @@ an input row, read into the blocks compressed-tensors' checkpoints read into (`c
 - GPTQ, a Linear `x`: `x.qweight` int32 [K * bits / 32, N], value k of a column at bits (k mod 32 / bits) * bits
   of word k / (32 / bits); `x.scales` [K / G, N]; `x.qzeros` int32 [K / G, N * bits / 32], packed likewise along the
   output channels, holding z - 1 (`checkpoint_format: gptq`, AutoGPTQ's) or z (`gptq_v2`); `x.g_idx` [K], each
-  input's group. `sym: true` means z = 2^(bits - 1), whatever qzeros holds (as vLLM reads it).
+  input's group. `sym: true` means z = 2^(bits - 1), whatever qzeros holds (as vLLM reads it). With act-order
+  (`desc_act: true`) g_idx is not k / G: the blocks then hold the inputs sorted by group (`InputsPermuted`), and the
+  GEMM gathers x in that order (vLLM's CPU kernel has no g_idx input).
 - AWQ (`version: gemm`), a Linear `x`: `x.qweight` int32 [K, N / 8], packed along the output channels in AutoAWQ's
   order (the word's nibble i holds channel 8 c + AWQ_ORDER[i]); `x.qzeros` [K / G, N / 8] likewise, z itself;
   `x.scales` [K / G, N].
-Refused by name: other bit widths, activation-ordered groups (a g_idx that is not k / G: `desc_act`), AWQ's `gemv`
-layouts, groups that are not whole 32-weight blocks.
+Refused by name: other bit widths, a g_idx whose groups are not G inputs each, AWQ's `gemv` layouts, groups that are
+not whole 32-weight blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from backend.engine.models.compressed_tensors_weights import blocks, read_state, stored_linears, unpack
 from backend.engine.models.llama import ModelConfig
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, Weight
+from backend.engine.models.weight_blocks import InputsPermuted, Q4Blocks, Q8Blocks, Weight
 
 METHODS = ("gptq", "awq")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -61,27 +63,31 @@ def load_gptq_awq(model_dir: str | Path, cfg: ModelConfig, qconfig: dict
     state = read_state(model_dir)
     mask = (1 << bits) - 1
 
-    def read(name: str) -> Q4Blocks | Q8Blocks | None:
+    def read(name: str) -> Q4Blocks | Q8Blocks | InputsPermuted | None:
         if f"{name}.qweight" not in state:
             return None
         packed, scales, zeros = (state.pop(f"{name}.{t}") for t in ("qweight", "scales", "qzeros"))
         groups, n = scales.shape
         if method == "awq":
             q = _awq_channels(unpack(packed, bits, packed.shape[0], n)).t()
-            z = _awq_channels(unpack(zeros, bits, groups, n)).t()
+            z = _awq_channels(unpack(zeros, bits, groups, n)).t().contiguous()
         else:
             k = packed.shape[0] * 32 // bits
             q = unpack(packed.t(), bits, n, k)
-            g_idx = state.pop(f"{name}.g_idx", None)
-            if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k // groups)):
-                raise ValueError(f"gptq: {name} orders its groups by activation (g_idx, desc_act: true); served are "
-                                 "checkpoints without")
+            in_groups = torch.arange(k) // (k // groups)
+            g_idx = state.pop(f"{name}.g_idx", in_groups).long()
+            order = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[order], in_groups):
+                raise ValueError(f"gptq: {name}'s g_idx does not give each of its {groups} groups {k // groups} inputs")
             if qconfig.get("sym", True):
                 z = None
             else:
                 z = unpack(zeros, bits, groups, n).t()
                 if qconfig.get("checkpoint_format", "gptq") == "gptq":  # AutoGPTQ stores z - 1
                     z = ((z.int() + 1) & mask).to(torch.uint8)
-        return blocks(f"{method}: {name}", scales.t(), q.contiguous(), bits, None if z is None else z.contiguous())
+                z = z.contiguous()
+            if not torch.equal(order, torch.arange(k)):  # act-order: the inputs sorted by group
+                return InputsPermuted(blocks(f"{method}: {name}", scales.t(), q[:, order].contiguous(), bits, z), order)
+        return blocks(f"{method}: {name}", scales.t(), q.contiguous(), bits, z)
 
     return state, stored_linears(state, cfg, read)

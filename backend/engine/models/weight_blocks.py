@@ -73,7 +73,19 @@ class Stacked:
         return torch.cat([as_float(p) for p in self.parts])
 
 
-Weight = Blocks | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
+@dataclass(frozen=True)
+class InputsPermuted:
+    """Blocks whose input features are in the order `index` (a GPTQ act-order Linear, its groups sorted into whole
+    blocks): its GEMM reads x[..., index] (runners/gemm.py)."""
+    blocks: Blocks
+    index: torch.Tensor  # int64 [K]: the input feature of each of the blocks' columns
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.blocks.dequantize()
+        return torch.empty_like(w).index_copy_(1, self.index, w)
+
+
+Weight = Blocks | InputsPermuted | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
 STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
@@ -209,15 +221,21 @@ def _iq4(index: np.ndarray, d: torch.Tensor) -> Q4Blocks:
     return Q4Blocks(torch.from_numpy(index), d, None, torch.from_numpy(IQ4_VALUES))
 
 
-def rows_of(weight: Blocks | torch.Tensor) -> int:
+def _matrix(weight: Blocks | InputsPermuted | torch.Tensor) -> torch.Tensor:
+    """A tensor of the weight's [output channels, input features]."""
+    weight = getattr(weight, "blocks", weight)
+    return weight if isinstance(weight, torch.Tensor) else weight.q
+
+
+def rows_of(weight: Blocks | InputsPermuted | torch.Tensor) -> int:
     """Output channels."""
-    return (weight if isinstance(weight, torch.Tensor) else weight.q).shape[0]
+    return _matrix(weight).shape[0]
 
 
 def shape_of(weight: Weight) -> tuple[int, int]:
     """(output channels, input features)."""
     parts = getattr(weight, "parts", [weight])
-    return sum(rows_of(p) for p in parts), (parts[0] if isinstance(parts[0], torch.Tensor) else parts[0].q).shape[1]
+    return sum(rows_of(p) for p in parts), _matrix(parts[0]).shape[1]
 
 
 def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | torch.Tensor:
@@ -229,9 +247,11 @@ def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | to
     return Q4Blocks(blocks.q[index], blocks.d[index], None if blocks.m is None else blocks.m[index], blocks.values)
 
 
-def _join_key(weight: Blocks | torch.Tensor) -> tuple:
+def _join_key(weight: Blocks | InputsPermuted | torch.Tensor) -> tuple:
     """Parts with one key are served as one weight: the same class, for Q8Blocks the same block and min or none, for
-    Q4Blocks the same values (or none)."""
+    Q4Blocks the same values (or none), for InputsPermuted the same order of the same."""
+    if isinstance(weight, InputsPermuted):
+        return InputsPermuted, _join_key(weight.blocks), tuple(weight.index.tolist())
     if isinstance(weight, Q8Blocks):
         return Q8Blocks, weight.block, weight.m is None
     if isinstance(weight, Q4Blocks):
@@ -239,9 +259,11 @@ def _join_key(weight: Blocks | torch.Tensor) -> tuple:
     return (type(weight),)
 
 
-def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
+def _cat_same(parts: list[Blocks | InputsPermuted | torch.Tensor]) -> Blocks | InputsPermuted | torch.Tensor:
     if len(parts) == 1:  # as is: a tied lm_head stays the embedding's tensor, not a copy
         return parts[0]
+    if isinstance(parts[0], InputsPermuted):
+        return InputsPermuted(_cat_same([p.blocks for p in parts]), parts[0].index)
     if isinstance(parts[0], Q8Blocks):
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
         return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), m)
@@ -251,7 +273,7 @@ def _cat_same(parts: list[Blocks | torch.Tensor]) -> Blocks | torch.Tensor:
     return torch.cat(parts)
 
 
-def cat_rows(parts: list[Blocks | torch.Tensor]) -> Weight:
+def cat_rows(parts: list[Blocks | InputsPermuted | torch.Tensor]) -> Weight:
     """Output channels stacked (q/k/v and gate/up are fused): each run of parts of one form joined, and runs of
     different forms kept apart, in order (`Stacked`)."""
     runs = [_cat_same(list(run)) for _, run in itertools.groupby(parts, key=_join_key)]

@@ -56,7 +56,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
-from backend.engine.models.weight_blocks import Blocks, Q4Blocks, Q8Blocks, Weight, q4_1, q8_0, rows_of
+from backend.engine.models.weight_blocks import (Blocks, InputsPermuted, Q4Blocks, Q8Blocks, Weight, q4_1, q8_0,
+                                                 rows_of)
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
@@ -276,11 +277,12 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     return {k: v["choice"] for k, v in chosen.items()}
 
 
-def _form(quantization: str, name: str, weight: Blocks | torch.Tensor) -> tuple[str, type | None]:
+def _form(quantization: str, name: str, weight: Blocks | InputsPermuted | torch.Tensor) -> tuple[str, type | None]:
     """(tactic quantization, stored block form) that serve `weight` of Linear `name`; a stored float tensor is
     float's."""
     if quantization in AS_STORED:
-        return {Q8Blocks: ("int8", Q8Blocks), Q4Blocks: ("int4", Q4Blocks)}.get(type(weight), ("none", None))
+        form = type(getattr(weight, "blocks", weight))
+        return {Q8Blocks: ("int8", Q8Blocks), Q4Blocks: ("int4", Q4Blocks)}.get(form, ("none", None))
     if quantization == "int4" and name == "lm_head":
         return "int8", None
     return quantization, None
@@ -317,12 +319,19 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
             rows = rows_of(weight)
             bias = None if linear.bias is None else linear.bias[first:first + rows]
             first += rows
-            gemms.append(TACTICS[chosen[name, i]].prepare(
-                weight.to(dtype) if isinstance(weight, torch.Tensor) else weight, bias))
+            prepare = TACTICS[chosen[name, i]].prepare
+            if isinstance(weight, InputsPermuted):
+                gemms.append(functools.partial(_inputs_permuted, prepare(weight.blocks, bias), weight.index))
+            else:
+                gemms.append(prepare(weight.to(dtype) if isinstance(weight, torch.Tensor) else weight, bias))
         linear.gemm = gemms[0] if len(gemms) == 1 else functools.partial(_concatenated, gemms)
         if chosen[name, 0] != "aten" or stored is not None:
             linear.weight = linear.bias = None
     return {shapes[unit]: tactic for unit, tactic in chosen.items()}
+
+
+def _inputs_permuted(gemm: Gemm, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return gemm(x.index_select(-1, index))
 
 
 def _concatenated(gemms: list[Gemm], x: torch.Tensor) -> torch.Tensor:
