@@ -96,7 +96,7 @@ def read_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def stored_linears(state: dict[str, torch.Tensor], cfg: ModelConfig,
-                   read: Callable[[str], Q4Blocks | Q8Blocks | None]) -> dict[str, Weight]:
+                   read: Callable[[str], Weight | None]) -> dict[str, Weight]:
     """PagedLlama's Linears (`layers.0.qkv_proj`, ..., `lm_head`), q/k/v and gate/up fused, each HF Linear (`read` by
     its HF name) as stored, or its float `.weight` where `read` gives None (an unquantized lm_head)."""
     def key(module: str) -> str:  # a LlamaForCausalLM checkpoint keeps all but its lm_head under `model.`

@@ -9,7 +9,7 @@ an input row, read into the blocks compressed-tensors' checkpoints read into (`c
   output channels, holding z - 1 (`checkpoint_format: gptq`, AutoGPTQ's) or z (`gptq_v2`); `x.g_idx` [K], each
   input's group. `sym: true` means z = 2^(bits - 1), whatever qzeros holds (as vLLM reads it). With act-order
   (`desc_act: true`) g_idx is not k / G: the blocks then hold the inputs sorted by group (`InputsPermuted`), and the
-  GEMM gathers x in that order (vLLM's CPU kernel has no g_idx input).
+  GEMM gathers x in that order (vLLM 0.32 refuses act-order folders).
 - AWQ (`version: gemm`), a Linear `x`: `x.qweight` int32 [K, N / 8], packed along the output channels in AutoAWQ's
   order (the word's nibble i holds channel 8 c + AWQ_ORDER[i]); `x.qzeros` [K / G, N / 8] likewise, z itself;
   `x.scales` [K / G, N].

@@ -291,9 +291,10 @@ def _form(quantization: str, name: str, weight: Blocks | InputsPermuted | torch.
 def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none",
                 stored: dict[str, Weight] | None = None) -> dict[Shape, str]:
     """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from the `stored`
-    weight of its name (each part of a `Stacked` one its own tactic, the outputs concatenated); a tactic that keeps
-    its own copy of the weight (packed, float32 or int8), and every stored one, releases the module's. A forced
-    `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
+    weight of its name (each part of a `Stacked` one its own tactic, the outputs concatenated; an `InputsPermuted` one
+    gathers its inputs first); a tactic that keeps its own copy of the weight (packed, float32 or int8), and every
+    stored one, releases the module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its
+    own)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
