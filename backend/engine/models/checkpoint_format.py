@@ -1,16 +1,21 @@
 """What quantization serves a model folder (vLLM reads it from the folder too): a checkpoint quantized by
 compressed-tensors, GPTQ or AWQ (config.json's `quantization_config.quant_method`) is served as stored by its own
 reader, and a folder whose only weights are a GGUF file (a bare `.gguf` given as the model) as `gguf`. `int8` / `int4`
-round float weights, so they are refused for a folder that has none."""
+round float weights, so they are refused for a folder that has none. `read_stored` calls the reader of each."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from backend.engine.models import compressed_tensors_weights, gptq_awq_weights
+import torch
+
+from backend.engine.models import compressed_tensors_weights, gguf_weights, gptq_awq_weights
+from backend.engine.models.llama import ModelConfig
+from backend.engine.models.weight_blocks import Weight
 
 CHECKPOINT_METHODS = (compressed_tensors_weights.METHOD, *gptq_awq_weights.METHODS)
+AS_STORED = ("gguf", *CHECKPOINT_METHODS)  # served as the folder stores them, each by its reader
 
 
 def quantization_config(model_dir: str | Path) -> dict | None:
@@ -45,3 +50,13 @@ def served_quantization(model_dir: str | Path, asked: str) -> str:
     else:
         gptq_awq_weights.check_config(model_dir, qconfig)
     return method
+
+
+def read_stored(model_dir: str | Path, quantization: str, cfg: ModelConfig
+                ) -> tuple[dict[str, torch.Tensor], dict[str, Weight]]:
+    """For a `quantization` in AS_STORED: (the folder's float tensors, HF names; PagedLlama's Linears as stored)."""
+    if quantization == "gguf":
+        return gguf_weights.load_gguf(model_dir, cfg)
+    if quantization == compressed_tensors_weights.METHOD:
+        return compressed_tensors_weights.load_compressed_tensors(model_dir, cfg)
+    return gptq_awq_weights.load_gptq_awq(model_dir, cfg, quantization_config(model_dir))

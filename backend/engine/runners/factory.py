@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 
 from backend.engine.config import EngineConfig
-from backend.engine.models.checkpoint_format import served_quantization
+from backend.engine.models.checkpoint_format import AS_STORED, served_quantization
 from backend.engine.runners.base import Runner
-from backend.engine.runners.gemm import AS_STORED
 
 log = logging.getLogger(__name__)
 

@@ -56,13 +56,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
+from backend.engine.models.checkpoint_format import AS_STORED
 from backend.engine.models.weight_blocks import (Blocks, InputsPermuted, Q4Blocks, Q8Blocks, Weight, q4_1, q8_0,
                                                  rows_of)
 
 log = logging.getLogger(__name__)
 Gemm = Callable[[torch.Tensor], torch.Tensor]
-QUANTIZATIONS = ("none", "int8", "int4", "gguf", "compressed-tensors", "gptq", "awq")
-AS_STORED = ("gguf", "compressed-tensors", "gptq", "awq")  # a checkpoint's own blocks, served in their forms
+QUANTIZATIONS = ("none", "int8", "int4", *AS_STORED)  # AS_STORED: a checkpoint's own blocks, served in their forms
 LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 _lock = threading.Lock()

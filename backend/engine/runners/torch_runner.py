@@ -21,12 +21,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.batch import ModelInput
-from backend.engine.models.checkpoint_format import quantization_config, served_quantization
-from backend.engine.models.compressed_tensors_weights import METHOD as CT
-from backend.engine.models.compressed_tensors_weights import load_compressed_tensors
-from backend.engine.models.gguf_weights import load_gguf
-from backend.engine.models.gptq_awq_weights import METHODS as GPTQ_AWQ
-from backend.engine.models.gptq_awq_weights import load_gptq_awq
+from backend.engine.models.checkpoint_format import AS_STORED, read_stored, served_quantization
 from backend.engine.models.llama import KernelLayout, load_model, load_model_config
 from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
@@ -65,14 +60,9 @@ class TorchRunner:
         self.attention = resolve_attention(attention, self.device)
         quantization = served_quantization(model_dir, quantization)
         state = stored = None
-        if quantization == CT:
-            state, stored = load_compressed_tensors(model_dir, load_model_config(model_dir))
-        if quantization in GPTQ_AWQ:
-            state, stored = load_gptq_awq(model_dir, load_model_config(model_dir), quantization_config(model_dir))
-        if quantization in (CT, *GPTQ_AWQ):
+        if quantization in AS_STORED:
+            state, stored = read_stored(model_dir, quantization, load_model_config(model_dir))
             log.info("%s: %s's Linears served as stored", quantization, model_dir)
-        if quantization == "gguf":
-            state, stored = load_gguf(model_dir, load_model_config(model_dir))
         self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored)
         if quantization == "gguf":
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
