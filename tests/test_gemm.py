@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
 from backend.engine.batch import build_model_input
@@ -68,6 +69,21 @@ def test_each_tactic_forced_matches_hf_within_tolerance(tiny_model_dir, hf_refer
         assert (diff <= 2 * hf_own + 0.05).all(), (diff, hf_own)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 64, 32), (5, 100, 96), (6, 16, 7), (13, 960, 576), (40, 130, 33), (70, 200, 64)])
+def test_f32_panels_is_a_float32_linear_at_every_row_and_panel_count(m, n, k):
+    """Rows past whole microkernels (6), a last panel narrower than the others, any in_features; with a bias and a
+    bfloat16 model (float32 math on a float32 copy, rounded once), through the tactic as the runner prepares it."""
+    torch.manual_seed(m * n + k)
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    exact = (x.double() @ w.double().T + b.double()).float()
+    got = gemm.TACTICS["f32_panels"].prepare(w, b)(x)
+    assert got.shape == (m, n) and torch.allclose(got, exact, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    narrow = gemm.TACTICS["f32_panels"].prepare(wb, bb)(xb)
+    assert narrow.dtype == torch.bfloat16  # float32's result rounded once: within half a bfloat16 step of it
+    assert torch.allclose(narrow.float(), F.linear(xb.float(), wb.float(), bb.float()), rtol=2 ** -8, atol=1e-4 * k ** 0.5)
+
+
 def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
     runner = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
@@ -104,5 +120,5 @@ def test_a_tactic_this_cpu_cannot_run_is_no_candidate_and_refused_by_name(tiny_m
     assert proc.returncode == 0, proc.stderr[-3000:]
     refusal, chosen = proc.stdout.strip().splitlines()[-2:]
     assert refusal.startswith("gemm_backend: onednn cannot run bfloat16 on this cpu (") and "avx512bw" in refusal
-    assert "candidates: ['aten', 'aten_f32', 'onednn_f32']" in refusal
+    assert "candidates: ['aten', 'f32_panels', 'aten_f32', 'onednn_f32']" in refusal
     assert "'onednn'" not in chosen, chosen

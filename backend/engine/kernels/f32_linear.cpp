@@ -1,0 +1,139 @@
+// y = x @ W^T in float32, W packed at load into panels of output channels, k-major ([panels][K][64] with AVX-512,
+// [panels][K][16] with AVX2): the `f32_panels` GEMM tactic (runners/gemm.py).
+//
+// Why ours beside oneDNN's and MKL's: a decode step's GEMMs have few rows (1..64) and weights that come from DRAM,
+// not cache (a step reads every layer's weights once: 540 MB for SmolLM2 in float32). Timed so, with the weights cycled
+// through more copies than the caches hold (Intel Xeon, 2 threads, SmolLM2's shapes), oneDNN's prepacked GEMM ran
+// 7-11 GFLOP/s at one row and 60-170 at 16-64, while this loop, which prefetches the next panel into L2 while it
+// computes on this one, ran 10-17 and 100-200; at 256-512 rows (prefill chunks) oneDNN stays ahead by ~10 %.
+//
+// Microkernel: per k, a panel row of weights (4 vectors with AVX-512, 2 with AVX2) times 6 broadcast rows of x into
+// 6 x 4 (6 x 2) accumulators: 10 (8) loads per 24 (12) multiply-adds. 12 rows x 2 vectors ran ~10 % slower at
+// 256-512 rows (14 loads per 24). Each output is one float32 sum over k in order: the result is x @ W^T up
+// to the order of float sums, as any GEMM.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace {
+
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int64_t kVec = 16;
+constexpr int kVecs = 4;  // a panel is 4 vectors wide: 24 accumulators of AVX-512's 32 registers
+constexpr int kRows = 6;
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+constexpr int64_t kVec = 8;
+constexpr int kVecs = 2;  // 12 accumulators of AVX2's 16 registers
+constexpr int kRows = 6;
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int64_t kPanel = kVecs * kVec;  // output channels per panel
+
+// MR rows of x against one panel; `next` (the following panel, or null) is prefetched into L2 meanwhile.
+template <int MR>
+inline void microkernel(const float* x, int64_t K, const float* wp, float* y, int64_t ldy, int64_t cols,
+                        const float* next) {
+  Vec acc[MR][kVecs];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kVecs; ++j) acc[i][j] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    if (next)
+      for (int64_t line = 0; line < kPanel; line += 16)  // a panel's row: 1 (AVX2) to 4 (AVX-512) cache lines
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel + line), _MM_HINT_T1);
+    Vec w[kVecs];
+    for (int j = 0; j < kVecs; ++j) w[j] = load(wp + k * kPanel + j * kVec);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const Vec xv = broadcast(x + i * K + k);
+      for (int j = 0; j < kVecs; ++j) acc[i][j] = fma(xv, w[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    float row[kPanel];
+    float* out = cols == kPanel ? y + i * ldy : row;  // the last panel may be narrower
+    for (int j = 0; j < kVecs; ++j) store(out + j * kVec, acc[i][j]);
+    if (cols < kPanel) std::copy(row, row + cols, y + i * ldy);
+  }
+}
+
+// The last M - m (< kRows) rows.
+template <int MR>
+inline void rows(const float* x, int64_t M, int64_t K, const float* wp, float* y, int64_t N, int64_t cols, int64_t m,
+                 const float* next) {
+  if constexpr (MR > 0) {
+    if (M - m == MR) microkernel<MR>(x + m * K, K, wp, y + m * N, N, cols, next);
+    else rows<MR - 1>(x, M, K, wp, y, N, cols, m, next);
+  }
+}
+
+at::Tensor f32_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "f32_pack: float32 [N, K] expected");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto packed = at::empty({panels, K, kPanel}, w.options());  // written once: no padded copy beside the weight
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t n = p * kPanel + c;
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + c] = n < N ? src[n * K + k] : 0.0f;
+      }
+  });
+  return packed;
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "f32_linear: x [M, K] float32 contiguous expected");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
+              packed.size(1) == K && packed.size(2) == kPanel && panels * kPanel >= N,
+              "f32_linear: weight packed by f32_pack for in_features ", K, " expected");
+  auto y = at::empty({M, N}, x.options());
+  const float* px = x.data_ptr<float>();
+  const float* pw = packed.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  // Threads split the panels (each reads its share of W once); a thread's first pass over a panel prefetches its next.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* wp = pw + p * K * kPanel;
+      const float* next = p + 1 < end ? wp + K * kPanel : nullptr;
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows)
+        microkernel<kRows>(px + m * K, K, wp, py + m * N + p * kPanel, N, cols, m == 0 ? next : nullptr);
+      rows<kRows - 1>(px, M, K, wp, py + p * kPanel, N, cols, m, m == 0 ? next : nullptr);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+  m.def("f32_pack(Tensor weight) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("f32_pack", &f32_pack);
+  m.impl("f32_linear", &f32_linear);
+}
