@@ -4,6 +4,7 @@ Systems, each run in a fresh child process (so peak RSS and thread pools are its
   engine     our LLMEngine, driven through add_request/step
   engine_int8, engine_int4, engine_gguf  the same with `quantization` set (engine_onnxruntime: the exported graph
              on ONNX Runtime; engine_onnxruntime_int8 / _int4: its Linears as MatMulNBits)
+  engine@K=V+K=V  any engine system with engine settings changed by name, e.g. engine@gemm_backend=onednn
   hf_static  HF `generate` on static, left-padded batches of 8 (the picture before continuous batching)
   hf_cb      HF's own continuous batching manager, each request with its own max_new_tokens
   vllm       vLLM's CPU build in its own venv (.venv-vllm, made by load_tests/vllm_env.sh), with --vllm
@@ -20,7 +21,7 @@ On a busy box, --omp-passive makes OpenMP threads sleep at barriers instead of s
 thread whose partner was descheduled burns its slice, which made 2-thread runs 10-50x slower here.
 
     python -m load_tests.bench_offline [--model DIR|random56m] [--dtype float32|bfloat16|both]
-        [--systems engine,hf_static,hf_cb] [--vllm] [--llamacpp] [--streams N] [--num-requests 64] [--threads 2]
+        [--systems engine,engine@gemm_backend=onednn,hf_static,hf_cb] [--vllm] [--llamacpp] [--streams N] [--num-requests 64] [--threads 2]
         [--rss-check] [--wait-idle SECONDS] [--omp-passive] [--out results/offline.json]
 """
 
@@ -240,19 +241,26 @@ def _load_hf(model_dir: Path, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None,
-               runtime: str = "torch", quantization: str = "none") -> SystemResult:
-    """Our engine through its online API, so progress shows as requests finish."""
-    from backend.engine import EngineConfig, LLMEngine
-    from backend.engine.sampling import SamplingParams
+def system_settings(system: str) -> dict[str, str]:
+    """`engine@gemm_backend=onednn+max_num_seqs=32` (or bench_online's `ours@...`) -> the engine settings it names."""
+    _, _, settings = system.partition("@")
+    return dict(item.split("=", 1) for item in settings.split("+") if item)
 
-    engine_dir = None
+
+def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: Path | None,
+               runtime: str = "torch", quantization: str = "none", settings: dict[str, str] | None = None
+               ) -> SystemResult:
+    """Our engine through its online API, so progress shows as requests finish; `settings`: EngineConfig's, by name."""
+    from backend.engine import LLMEngine
+    from backend.engine.sampling import SamplingParams
+    from backend.serving.settings import engine_config_from_settings
+
+    params = {"model": str(model_dir), "dtype": dtype, "runtime": runtime, "quantization": quantization}
     if runtime == "onnxruntime":  # exported once into .cache/engines/, like `python -m build_engine`
         from build_engine.export_onnx import cached_engine_dir
 
-        engine_dir = str(cached_engine_dir(model_dir, dtype, quantization))
-    engine = LLMEngine(EngineConfig.create(model=str(model_dir), dtype=dtype, runtime=runtime, engine_dir=engine_dir,
-                                           quantization=quantization))
+        params["engine_dir"] = str(cached_engine_dir(model_dir, dtype, quantization))
+    engine = LLMEngine(engine_config_from_settings({**params, **(settings or {})}))
     counter = iter(range(sys.maxsize))
     first_token_s: list[float] = []
 
@@ -281,7 +289,8 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
         return outputs
 
     system = "engine" + ("" if runtime == "torch" else f"_{runtime}") + ("" if quantization == "none" else
-                                                                        f"_{quantization}")
+                                                                        f"_{quantization}") + "".join(
+        f"{'+' if i else '@'}{k}={v}" for i, (k, v) in enumerate((settings or {}).items()))
     result = measure(system, dtype, generate, requests,
                      extra={"runtime": runtime, "quantization": engine.config.quantization})
     result.extra["ttft_ms_median"] = round(1000 * statistics.median(first_token_s[-len(requests):]), 1)
@@ -409,7 +418,10 @@ def _child(system: str, model_dir: Path, dtype: str, workload: Path, rss_check: 
     import torch
 
     torch.set_num_threads(torch_threads())
-    return RUNNERS[system](model_dir, dtype, load_workload(workload), rss_check)
+    base, _, _ = system.partition("@")
+    if base.startswith("engine") and (settings := system_settings(system)):
+        return RUNNERS[base](model_dir, dtype, load_workload(workload), rss_check, settings=settings)
+    return RUNNERS[base](model_dir, dtype, load_workload(workload), rss_check)
 
 
 def other_runnable() -> float:
@@ -541,11 +553,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.systems = ([s for s in args.systems.split(",") if s] + (["vllm"] if args.vllm else [])
                     + (["llamacpp"] if args.llamacpp else []))
-    unknown = set(args.systems) - set(SYSTEMS)
-    if unknown:
+    bases = {s.partition("@")[0] for s in args.systems}
+    if unknown := bases - set(SYSTEMS):
         p.error(f"unknown systems: {sorted(unknown)}")
-    if args.streams and set(args.systems) - set(STREAMING):
-        p.error(f"--streams: {sorted(set(args.systems) - set(STREAMING))} take all requests at once")
+    if any("@" in s and not s.startswith("engine") for s in args.systems):
+        p.error("--systems: only engine systems take @settings (engine@gemm_backend=onednn)")
+    if args.streams and bases - set(STREAMING):
+        p.error(f"--streams: {sorted(bases - set(STREAMING))} take all requests at once")
     return args
 
 

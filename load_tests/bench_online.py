@@ -58,7 +58,7 @@ from backend.triton.launcher import TritonServer, free_ports
 from backend.triton.repository import configure_repository
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
-from load_tests.bench_offline import VLLM_PYTHON, resolve_model, run_system, wait_for_idle
+from load_tests.bench_offline import VLLM_PYTHON, resolve_model, run_system, system_settings, wait_for_idle
 from load_tests.server_stats import find_tritonserver, tree_cpu_seconds
 from load_tests.streams import StreamError, StreamRecord, grpc_stream, openai_sse_stream
 from load_tests.vllm_offline_runner import MAX_MODEL_LEN, cpu_env
@@ -245,12 +245,6 @@ def ours_repository(tmp: Path, model_dir: Path, llm_settings: dict[str, str] | N
     return configure_repository(tmp / "ours", params, models=SERVED)
 
 
-def llm_settings(system: str) -> dict[str, str]:
-    """`ours@stream_interval=4+max_num_seqs=32` -> the llm settings it names."""
-    _, _, settings = system.partition("@")
-    return dict(item.split("=", 1) for item in settings.split("+") if item)
-
-
 def static_repository(tmp: Path, model_dir: Path, dtype: str) -> Path:
     return configure_repository(tmp / "static", {"static_hf": {"model": str(model_dir), "dtype": dtype}},
                                 src=HERE, models=["static_hf"])
@@ -337,7 +331,7 @@ def sustainable_rate(results: list[RateResult], system: str) -> float | None:
 
 def offline_system(system: str) -> str:
     """The bench_offline system an `ours@...` system's serving overhead is measured against."""
-    quantization = llm_settings(system).get("quantization", "none")
+    quantization = system_settings(system).get("quantization", "none")
     return "engine" if quantization == "none" else f"engine_{quantization}"
 
 
@@ -549,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{system}]", file=sys.stderr, flush=True)
             wait_for_idle(args.wait_idle)
             start = systems[system] if system in systems else lambda: triton_system(
-                ours_repository(tmp / system, model_dir, llm_settings(system)), args.endpoint, args.request_timeout)
+                ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint, args.request_timeout)
             try:
                 with start() as served:
                     results += run_system_rates(system, served, warmup, workloads, args.max_seconds,
