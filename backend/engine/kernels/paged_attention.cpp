@@ -1,8 +1,8 @@
 // Paged attention for the CPU: each query reads its sequence's keys and values in place, block by
 // block through the block table. No gather into padded rows, no mask tensor: the work and the memory
 // read are those of the real context, which the gather path (models/llama.py) pays for the longest
-// sequence of the batch. Math in float32 whatever the storage dtype; softmax exact (two passes). An int8 cache
-// (kv_quantization.py) is read by attend_token_int8.
+// sequence of the batch. Math in float32 whatever the storage dtype; softmax exact (two passes). A float32 cache is
+// read by attend_token, a narrow one (bfloat16, float16, int8: kv_quantization.py) by attend_token_grouped.
 //
 // A query of sequence s at index i of its chunk sits at position context_lens[s] - chunk + i and sees
 // keys 0..position: the cache must already hold this step's new keys and values.
@@ -102,37 +102,43 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
   }
 }
 
-// The int8 cache (kv_quantization.py): a row is head_dim int8s and their float32 scale, head_dim + 4 bytes. Turning
-// int8 lanes into floats costs more than the FMAs that use them, so the G heads of a KV head share it: 16 keys (then
-// 16 values) of the KV head at a time are dequantized, scale applied, into `rows` (16 x D floats, in L1), which each
-// head of the group then reads as attend_token reads a float cache. Scratch: scores G x max_ctx, offsets max_ctx,
-// rows 16 x D, acc G x D.
-template <typename scalar_t, int V>
-void attend_token_int8(const scalar_t* __restrict q, const int8_t* __restrict k_cache,
-                       const int8_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                       int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets,
-                       float* __restrict rows, float* __restrict acc) {
-  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, W = D + 4;
+// A narrow cache (bfloat16, float16, or int8: kv_quantization.py, a row of head_dim int8s and their float32 scale,
+// head_dim + 4 bytes). Turning narrow lanes into floats costs more than the FMAs that use them, so the G heads of a KV
+// head share it: 16 keys (then 16 values) of the KV head at a time are widened (int8: times the row's scale) into
+// `rows` (16 x D floats, in L1), which each head of the group then reads as attend_token reads a float cache. Widened
+// once a group instead of once a head, a bfloat16 decode step's attention took 2.2x less time (Intel Xeon, SmolLM2's
+// G = 3, 40 sequences of ~200 tokens). Scratch: scores G x max_ctx, offsets max_ctx, rows 16 x D, acc G x D.
+template <typename scalar_t, typename cache_t, int V>
+void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restrict k_cache,
+                          const cache_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
+                          int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets,
+                          float* __restrict rows, float* __restrict acc) {
+  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
+  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, W = D + (kInt8 ? 4 : 0);
   const int64_t BS = shape.block_size, row = KVH * W;
   for (int64_t j0 = 0, b = 0; j0 < n; j0 += BS, ++b)
     for (int64_t j = j0; j < std::min(j0 + BS, n); ++j) offsets[j] = (table[b] * BS + j - j0) * row;
-  const auto dequantize = [&](const int8_t* __restrict head, int64_t j0, int64_t m) {  // keys j0.. of one KV head
+  const auto widen = [&](const cache_t* __restrict head, int64_t j0, int64_t m) {  // keys j0.. of one KV head
     for (int64_t i = 0; i < m; ++i) {
-      if (j0 + 32 + i < n) {  // two chunks ahead, both cache lines of the row: 1.2x on the Xeon at 16 x 1024 keys
+      if (j0 + 32 + i < n) {  // two chunks ahead, the row's first and last cache lines: 1.2x on the Xeon at 16 x 1024
         __builtin_prefetch(head + offsets[j0 + 32 + i]);
         __builtin_prefetch(head + offsets[j0 + 32 + i] + W - 1);
       }
-      const int8_t* __restrict r = head + offsets[j0 + i];
-      float scale;
-      std::memcpy(&scale, r + D, sizeof scale);
-      for (int v = 0; v < V; ++v) store(rows + i * D + v * kLanes, load(r + v * kLanes) * scale);
+      const cache_t* __restrict r = head + offsets[j0 + i];
+      if constexpr (kInt8) {
+        float scale;
+        std::memcpy(&scale, r + D, sizeof scale);
+        for (int v = 0; v < V; ++v) store(rows + i * D + v * kLanes, load(r + v * kLanes) * scale);
+      } else {
+        for (int v = 0; v < V; ++v) store(rows + i * D + v * kLanes, load(r + v * kLanes));
+      }
     }
   };
 
   for (int64_t kh = 0; kh < KVH; ++kh) {
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
-      dequantize(k_cache + kh * W, j0, m);
+      widen(k_cache + kh * W, j0, m);
       for (int64_t g = 0; g < G; ++g) {
         vfloat qv[V];
         for (int v = 0; v < V; ++v) qv[v] = load(q + (kh * G + g) * D + v * kLanes) * shape.scale;
@@ -160,7 +166,7 @@ void attend_token_int8(const scalar_t* __restrict q, const int8_t* __restrict k_
     }
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
-      dequantize(v_cache + kh * W, j0, m);
+      widen(v_cache + kh * W, j0, m);
       for (int64_t g = 0; g < G; ++g) {
         const float* __restrict p = scores + g * shape.max_ctx + j0;
         vfloat a[V], a1[V] = {};  // two chains of FMAs: values i and i + 1
@@ -197,8 +203,8 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     // a strided deal spreads both kinds over the threads (contiguous chunks would not).
     const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tokens);
     at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-      // attend_token_int8 keeps a group's G heads' scores and accumulators, and 16 dequantized rows
-      const int64_t G = std::is_same_v<cache_t, int8_t> ? shape.num_heads / shape.num_kv_heads : 0;
+      // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
+      const int64_t G = std::is_same_v<cache_t, float> ? 0 : shape.num_heads / shape.num_kv_heads;
       std::vector<float> scores(std::max<int64_t>(G, 1) * shape.max_ctx), rows(G ? 16 * shape.head_dim : 0),
           acc(G * shape.head_dim);
       std::vector<int64_t> offsets(shape.max_ctx);
@@ -208,9 +214,9 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
           const int64_t chunk = query_start[s + 1] - query_start[s];
           const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
           const int64_t* table = block_tables + s * shape.max_blocks;
-          if constexpr (std::is_same_v<cache_t, int8_t>)
-            attend_token_int8<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
-                                           offsets.data(), rows.data(), acc.data());
+          if constexpr (!std::is_same_v<cache_t, float>)
+            attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
+                                                       scores.data(), offsets.data(), rows.data(), acc.data());
           else
             attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
                                       offsets.data());
