@@ -4,7 +4,7 @@
 # when the package lists lack the package, or the install fails on stale lists. Needs root (CI runs as root).
 set -euo pipefail
 if [ -x /usr/bin/prometheus ] && [ -x /usr/bin/promtool ]; then
-    echo "prometheus ready ($(/usr/bin/prometheus --version 2>&1 | head -1))"
+    echo "prometheus ready ($(/usr/bin/prometheus --version 2>&1 | sed -n 1p))"
     exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
@@ -13,4 +13,4 @@ if ! apt-cache show prometheus >/dev/null 2>&1; then
     apt-get update -q
 fi
 install || { apt-get update -q && install; }
-/usr/bin/prometheus --version 2>&1 | head -1
+/usr/bin/prometheus --version 2>&1 | sed -n 1p
