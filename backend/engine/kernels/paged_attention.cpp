@@ -106,7 +106,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 // head_dim + 4 bytes). Turning narrow lanes into floats costs more than the FMAs that use them, so the G heads of a KV
 // head share it: 16 keys (then 16 values) of the KV head at a time are widened (int8: times the row's scale) into
 // `rows` (16 x D floats, in L1), which each head of the group then reads as attend_token reads a float cache. Widened
-// once a group instead of once a head, a bfloat16 decode step's attention took 2.2x less time (Intel Xeon, SmolLM2's
+// once a group instead of once a head, a bfloat16 decode step's attention took 2.0x less time (Intel Xeon, SmolLM2's
 // G = 3, 40 sequences of ~200 tokens). Scratch: scores G x max_ctx, offsets max_ctx, rows 16 x D, acc G x D.
 template <typename scalar_t, typename cache_t, int V>
 void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restrict k_cache,
