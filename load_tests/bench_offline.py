@@ -289,8 +289,9 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
         return outputs
 
     system = "engine" + ("" if runtime == "torch" else f"_{runtime}") + ("" if quantization == "none" else
-                                                                        f"_{quantization}") + "".join(
-        f"{'+' if i else '@'}{k}={v}" for i, (k, v) in enumerate((settings or {}).items()))
+                                                                        f"_{quantization}")
+    if settings:
+        system += "@" + "+".join(f"{k}={v}" for k, v in settings.items())
     result = measure(system, dtype, generate, requests,
                      extra={"runtime": runtime, "quantization": engine.config.quantization})
     result.extra["ttft_ms_median"] = round(1000 * statistics.median(first_token_s[-len(requests):]), 1)
