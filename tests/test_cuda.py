@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
+from backend.engine.batch import build_model_input
 from backend.engine.guided_decoding import Guide
+from backend.engine.kv_cache import KVCacheManager
 from backend.engine.runners.cuda_runner import CudaRunner
-from tests.tiny_model import make_tiny_llama
+from backend.engine.sequence import Sequence
+from tests.tiny_model import make_tiny_llama, save_rounded
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -68,6 +71,37 @@ def test_speculative_ngram_on_the_gpu(random_llama_dir, hf_outputs):
     outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert outs[:len(PROMPTS)] == hf_outputs and eng.num_draft_tokens > 0
     assert eng.kv.num_used_blocks == 0
+
+
+def prompt_logits(runner: CudaRunner, tokens: list[int]) -> torch.Tensor:
+    """The logits at every position of `tokens`, one prefill."""
+    kv = KVCacheManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+    seq = Sequence("0", tokens, SamplingParams(), 0)
+    assert kv.allocate(seq, len(tokens))
+    return runner.forward(build_model_input([(seq, len(tokens))], runner.block_size, 16, [len(tokens)])).clone()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_int8_and_int4_on_the_gpu_compute_their_rounding(random_llama_dir, tmp_path, quantization):
+    """`quantization: int8 | int4` on CUDA (kernels/triton_linear.py, captured in the decode graphs): the logits at
+    every position of a 200-token prompt are those of the float32 model whose weights are that rounding's values
+    (within float32 sums' order: 1e-4 of the largest), the float weights are released, and greedy output is the same
+    with graphs and without, every block free after."""
+    tokens = torch.randint(3, 1000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    rounded = CudaRunner.load(save_rounded(random_llama_dir, tmp_path / "rounded", quantization), "float32", 64, 16, 8)
+    runner = CudaRunner.load(random_llama_dir, "float32", 64, 16, 8, quantization=quantization)
+    assert set(runner.gemm_tactics.values()) == {"int8": {"triton_q8_0"}, "int4": {"triton_q4_1", "triton_q8_0"}}[
+        quantization]
+    assert all(m.weight is None for m in runner.model.modules() if isinstance(m, torch.nn.Linear))
+    got, expected = prompt_logits(runner, tokens), prompt_logits(rounded, tokens)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    outs = []
+    for graphs in (True, False):
+        eng = engine(random_llama_dir, quantization=quantization, cuda_graphs=graphs, max_num_seqs=8)
+        assert isinstance(eng.runner, CudaRunner) and bool(eng.runner.graphs) == graphs
+        outs.append(eng.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)))
+        assert eng.kv.num_used_blocks == 0
+    assert outs[0] == outs[1]
 
 
 def test_gather_path_on_cuda_equals_hf(random_llama_dir, hf_outputs):

@@ -36,11 +36,10 @@ from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
 from tests.tiny_gguf import random_raw
-from tests.tiny_model import make_tiny_llama
+from tests.tiny_model import make_tiny_llama, save_rounded
 
 REPO = Path(__file__).resolve().parents[1]
 INT8_TACTICS = [name for name, t in gemm.TACTICS.items() if t.quantization == "int8"]
-INT4_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENS = torch.randint(100, 20000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
@@ -160,20 +159,7 @@ def test_each_int8_tactic_forced_is_within_its_bounds(tiny_model_dir, float_logi
 def test_int4_is_its_rounding_plus_int8_activations(tiny_model_dir, tmp_path):
     """int4 (Q4_1 layers, lm_head Q8_0, the embedding float) against float32 on a copy of the model whose weights are
     that rounding's values: only the activations' rounding differs."""
-    from safetensors.torch import load_file, save_file
-
-    state = load_file(str(tiny_model_dir / "model.safetensors"))
-    for name, w in state.items():
-        if name == "lm_head.weight":
-            state[name] = q8_0(w).dequantize()
-        elif name.split(".")[-2] in INT4_LINEARS:
-            state[name] = q4_1(w).dequantize()
-    rounded = tmp_path / "rounded"
-    rounded.mkdir()
-    for f in tiny_model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            (rounded / f.name).write_bytes(f.read_bytes())
-    save_file(state, str(rounded / "model.safetensors"), metadata={"format": "pt"})
+    rounded = save_rounded(tiny_model_dir, tmp_path / "rounded", "int4")
     reference = all_logits(TorchRunner(rounded, "float32", 64, 16, gemm_backend="aten"))
     runner = TorchRunner(tiny_model_dir, "float32", 64, 16, quantization="int4")
     assert {s.out_features: t for s, t in runner.gemm_tactics.items()}[runner.model.cfg.vocab_size] in INT8_TACTICS

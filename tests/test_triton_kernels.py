@@ -1,8 +1,9 @@
 """The GPU kernels (OpenAI Triton) equal their references: paged attention against the gather path and the CPU
 kernel on mixed batches (decodes, whole prompts, prefill chunks over a cached prefix, shared blocks, GQA), with
-and without split-K; the KV write; the elementwise ops against TorchOps; a whole forward against the gather
-forward. Without a GPU they run under Triton's interpreter (`TRITON_INTERPRET=1`, set in conftest.py) on CPU
-tensors; on a GPU host (scripts/gpu_check.sh) the same tests run the compiled kernels on CUDA tensors."""
+and without split-K; the KV write; the elementwise ops against TorchOps; the weight-only int8/int4 Linears against
+float64 math on their own rounding; a whole forward against the gather forward. Without a GPU they run under
+Triton's interpreter (`TRITON_INTERPRET=1`, set in conftest.py) on CPU tensors; on a GPU host
+(scripts/gpu_check.sh) the same tests run the compiled kernels on CUDA tensors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels, triton_attention, triton_ops
+from backend.engine.kernels.triton_linear import BlocksLinear, tiles
 from backend.engine.models.llama import KernelLayout, RMSNorm, RowLayout, TorchOps, TritonLayout, TritonOps, load_model
+from backend.engine.models.weight_blocks import Q8Blocks, q4_1, q8_0
 from backend.engine.runners.cuda_runner import graph_sizes
 from tests.test_paged_attention import BLOCK, CFG, D, H, KVH, scheduled_batch
 
@@ -152,6 +155,42 @@ def test_elementwise_ops_equal_the_torch_ops(dtype):
     gate_up = rand(T, 2 * inter)
     torch.testing.assert_close(TritonOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), **tol)
     assert triton_ops.silu_mul(gate_up[:0]).shape == (0, inter)
+
+
+def q8_with_mins(w: torch.Tensor) -> Q8Blocks:
+    """A Q8 form with a scale and a min per 16 (GGUF Q2_K's shape): w ~ q * scale + m."""
+    n, k = w.shape
+    blocks = w.view(n, k // 16, 16)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = (hi - lo).clamp(min=1e-8) / 255
+    q = torch.round((blocks - lo[..., None]) / scale[..., None]) - 128
+    return Q8Blocks(q.to(torch.int8).view(n, k), scale, lo + 128 * scale)
+
+
+@pytest.mark.parametrize("form", [q8_0, q8_with_mins, q4_1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k", [(1, 96, 64), (3, 70, 96), (17, 130, 256), (5, 32, 8192), (64, 200, 128),
+                                     (300, 70, 128)])
+def test_weight_only_linear_is_exact_math_on_its_rounding(form, dtype, m, n, k):
+    """x @ dequantized(W).T (+ bias) in float64 on the weights as the model dtype rounds them. Bounds, relative to
+    the output's largest: float32 1e-5 (only sums' order differs); bfloat16 one step of bf16 (2^-7) compiled, two
+    under the interpreter, which rounds float32 to bf16 by truncating (the widened weights and the output).
+    (5, 32, 8192) splits K in two (one tile of rows and columns), 70 and 130 leave part of a column tile, 96 is a K
+    of 32-wide steps, 300 rows widen the weight for cuBLAS (a prefill)."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    w, bias = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g).to(dtype)
+    blocks = form(w)
+    linear = BlocksLinear.of(type(blocks)(*(t if t is None else t.to(DEVICE) for t in vars(blocks).values())),
+                             bias.to(DEVICE))
+    if k == 8192:
+        assert tiles(m, n, k, 132)[3] == 2
+    y = linear(x.view(1, m, k))
+    assert y.dtype == dtype and y.shape == (1, m, n)
+    reference = x.double().cpu() @ blocks.dequantize().to(dtype).double().T + bias.double()
+    error = (y[0].double().cpu() - reference).abs().max() / reference.abs().max()
+    assert error < (1e-5 if dtype == torch.float32 else 2 ** -7 if DEVICE == "cuda" else 2 ** -6), error
+    assert linear.nbytes == n * k * {q8_0: 1.125, q8_with_mins: 1.5, q4_1: 0.75}[form]  # bytes a weight, scales in
 
 
 def test_forward_with_the_triton_layout_equals_the_gather_forward(random_llama_dir):

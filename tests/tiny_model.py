@@ -9,10 +9,13 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from backend.engine.models.weight_blocks import q4_1, q8_0
 from backend.serving.model_store import prepare_default_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VOCAB_KEYS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")  # taken from SmolLM2's config
+
+LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 TINY_LLAMA = {
     "hidden_size": 64,
@@ -50,4 +53,24 @@ def save_random_llama(path: Path, config: LlamaConfig, seed: int = 0) -> Path:
         model = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
+    return path
+
+
+def save_rounded(model_dir: Path, path: Path, quantization: str) -> Path:
+    """A float32 copy of `model_dir` whose Linear weights are the values `quantization` rounds them to (int8: Q8_0;
+    int4: Q4_1, the lm_head Q8_0): what the quantized model computes, bar its activations' rounding."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    layer_form = {"int8": q8_0, "int4": q4_1}[quantization]
+    for name, w in state.items():
+        if name == "lm_head.weight":
+            state[name] = q8_0(w).dequantize()
+        elif name.split(".")[-2] in LAYER_LINEARS:
+            state[name] = layer_form(w).dequantize()
+    path.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, path / f.name)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

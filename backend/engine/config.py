@@ -98,7 +98,7 @@ class EngineConfig:
     gemm_backend: str = "auto"  # torch runtime: auto (measured per shape) | a tactic's name (runners/gemm.py)
     # CPU: none | int8 | int4 (runtime torch: rounded at load; onnxruntime: the engine_dir built with it) | gguf (torch:
     # the folder's GGUF as stored) | compressed-tensors | gptq | awq (torch: an int4/int8 checkpoint as stored; its
-    # config.json sets it)
+    # config.json sets it). CUDA (runtime torch): none | int8 | int4, the same rounding (kernels/triton_linear.py)
     quantization: str = "none"
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     draft_model: str | None = None  # speculative: draft: a small model folder with the model's tokenizer (or itself)

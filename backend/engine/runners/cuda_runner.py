@@ -2,7 +2,9 @@
 for decode.
 
 - Attention and the KV write are the paged kernels of kernels/triton_attention.py (no gather, no padding), the
-  elementwise ops those of kernels/triton_ops.py; the GEMMs are cuBLAS (F.linear).
+  elementwise ops those of kernels/triton_ops.py; the GEMMs are cuBLAS (F.linear), or with `quantization: int8 |
+  int4` the weight-only kernels of kernels/triton_linear.py (runners/gemm.py's tactics for CUDA), captured in the
+  graphs like the rest.
 - A step's index tensors (token ids, positions, slots, sequence bounds, context lengths, block tables, logits
   rows) are packed into one pinned int64 buffer and sent in one copy; the kernels read views of it.
 - Decode steps (one new token per sequence, one logits row each) replay a CUDA graph captured at load for the
@@ -26,6 +28,7 @@ from backend.engine.batch import ModelInput
 from backend.engine.kernels.triton_attention import multiprocessors, segments_for
 from backend.engine.models.llama import PagedLlama, TritonLayout, load_model
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype
+from backend.engine.runners.gemm import use_tactics
 
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """The decode batch sizes a graph is captured for (vLLM's rule)."""
@@ -42,8 +45,10 @@ def _sections(T: int, S: int, L: int, B: int) -> dict[str, tuple[int, int]]:
 
 class CudaRunner:
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int | None = None, cuda_graphs: bool = True):
+                 max_model_len: int | None = None, cuda_graphs: bool = True, gemm_backend: str = "auto",
+                 quantization: str = "none"):
         self.model = model
+        self.gemm_tactics = use_tactics(model, model.embed_tokens.weight.device, gemm_backend, quantization)
         self.model_config = cfg = model.cfg
         self.device = model.embed_tokens.weight.device
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -60,9 +65,10 @@ class CudaRunner:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, max_num_seqs: int,
-             max_model_len: int | None = None, cuda_graphs: bool = True, device: str = "cuda") -> CudaRunner:
+             max_model_len: int | None = None, cuda_graphs: bool = True, device: str = "cuda",
+             gemm_backend: str = "auto", quantization: str = "none") -> CudaRunner:
         return cls(load_model(model_dir, torch_dtype(dtype), device), num_blocks, block_size, max_num_seqs,
-                   max_model_len, cuda_graphs)
+                   max_model_len, cuda_graphs, gemm_backend, quantization)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:

@@ -16,12 +16,13 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     block_size = config.cache.block_size
     quantization = served_quantization(config.model, config.quantization)
     if config.runtime == "torch" and config.device.startswith("cuda") and config.attention in ("auto", "triton") \
-            and quantization == "none" and triton_error(config.attention) is None:
+            and quantization in ("none", "int8", "int4") and triton_error(config.attention) is None:
         from backend.engine.runners.cuda_runner import CudaRunner
 
         sched = config.scheduler
         return CudaRunner.load(config.model, config.dtype, num_blocks, block_size, sched.max_num_seqs,
-                               sched.max_model_len, config.cuda_graphs, config.device)
+                               sched.max_model_len, config.cuda_graphs, config.device, config.gemm_backend,
+                               quantization)
     if config.runtime == "torch":
         from backend.engine.runners.torch_runner import TorchRunner
 

@@ -36,6 +36,9 @@ its weight form are the only candidates. Weights in llama.cpp's block forms (mod
 - `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32; GGUF IQ4_NL / IQ4_XS: d times
   a 16-entry table's value of q) times activations rounded to int8 per 32, in int8 arithmetic (AVX512-VNNI, or
   AVX2): llama.cpp's Q4_1 x Q8_1.
+On the GPU (`device: cuda`): `aten` (cuBLAS) for float weights; `triton_q8_0` and `triton_q4_1`
+(kernels/triton_linear.py), the Q8_0 and Q4_1 forms above widened to the model dtype in registers, bf16/fp16 tensor
+cores (float32 models in IEEE float32); one tactic per form there, so nothing is timed.
 `int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
 of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form (a fused one of
 mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths).
@@ -172,6 +175,12 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
     return _float_bias(bias, lambda x: torch.ops.llm_kernels.q4_1_w4a8_linear(x, packed, d, m, values, n))
 
 
+def _triton_blocks(weight: torch.Tensor | Blocks, bias: torch.Tensor | None, form: Callable[..., Blocks]) -> Gemm:
+    from backend.engine.kernels.triton_linear import BlocksLinear
+
+    return BlocksLinear.of(weight if isinstance(weight, (Q8Blocks, Q4Blocks)) else form(weight), bias)
+
+
 @dataclass(frozen=True)
 class Tactic:
     name: str
@@ -179,15 +188,21 @@ class Tactic:
     narrow_only: bool = False  # only for bfloat16 / float16 models
     quantization: str = "none"  # the weights' rounding: only tactics of the engine's `quantization` race
     reads: type | None = None  # the stored block form it serves as is (`quantization: gguf`)
+    devices: tuple[str, ...] = ("cpu",)
 
 
-TACTICS = {t.name: t for t in (Tactic("aten", _aten), Tactic("onednn", _onednn), Tactic("f32_panels", _f32_panels),
+TACTICS = {t.name: t for t in (Tactic("aten", _aten, devices=("cpu", "cuda")), Tactic("onednn", _onednn),
+                               Tactic("f32_panels", _f32_panels),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
                                Tactic("q8_0", _q8_0, quantization="int8", reads=Q8Blocks),
                                Tactic("q8_0_w8a8", _q8_0_w8a8, quantization="int8", reads=Q8Blocks),
                                Tactic("aten_int8", _aten_int8, quantization="int8"),
-                               Tactic("q4_1_w4a8", _q4_1_w4a8, quantization="int4", reads=Q4Blocks))}
+                               Tactic("q4_1_w4a8", _q4_1_w4a8, quantization="int4", reads=Q4Blocks),
+                               Tactic("triton_q8_0", functools.partial(_triton_blocks, form=q8_0), quantization="int8",
+                                      reads=Q8Blocks, devices=("cuda",)),
+                               Tactic("triton_q4_1", functools.partial(_triton_blocks, form=q4_1), quantization="int4",
+                                      reads=Q4Blocks, devices=("cuda",)))}
 BACKENDS = ("auto", *TACTICS)
 
 
@@ -204,10 +219,9 @@ def why_not(name: str, dtype: torch.dtype) -> str | None:
 def candidates(dtype: torch.dtype, device: torch.device, quantization: str = "none", reads: type | None = None
                ) -> list[str]:
     """The tactics of `quantization` that run `dtype` here (and serve stored blocks of form `reads`, if given)."""
-    if device.type != "cpu":
-        return ["aten"] if quantization == "none" else []
-    return [t.name for t in TACTICS.values() if t.quantization == quantization and reads in (None, t.reads)
-            and (dtype != torch.float32 or not t.narrow_only) and why_not(t.name, dtype) is None]
+    return [t.name for t in TACTICS.values() if device.type in t.devices and t.quantization == quantization
+            and reads in (None, t.reads) and (dtype != torch.float32 or not t.narrow_only)
+            and (device.type != "cpu" or why_not(t.name, dtype) is None)]
 
 
 @dataclass(frozen=True)
@@ -263,13 +277,14 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
         raise ValueError(f"gemm_backend: expected one of {list(BACKENDS)}, got {backend!r}")
     names = candidates(dtype, device, quantization, reads)
     if not names:
-        raise ValueError(f"quantization: {quantization} has no tactic on {device.type} (CPU only)")
+        raise ValueError(f"quantization: {quantization} has no tactic on {device.type}")
     if backend != "auto":
         if backend not in names:
             why = (f"not a {quantization} tactic (quantization: {quantization})"
                    if TACTICS[backend].quantization != quantization else
                    f"it reads no stored {reads.__name__}" if reads not in (None, TACTICS[backend].reads) else
-                   why_not(backend, dtype) if device.type == "cpu" else "CPU only")
+                   f"it runs on {'/'.join(TACTICS[backend].devices)}" if device.type not in TACTICS[backend].devices
+                   else why_not(backend, dtype))
             raise ValueError(f"gemm_backend: {backend} cannot run {str(dtype).removeprefix('torch.')} on this "
                              f"{device.type} ({why}); candidates: {names}")
         return {s: backend for s in shapes}
