@@ -9,7 +9,9 @@ Llama-3-8B shapes, bfloat16 (the issue's headline), also:
   (weights + KV bytes over the measured copy bandwidth), and HF `generate` per decode step on the same batch;
 - the whole engine step (schedule, batch, forward, sample, update) per decode step, greedy and top-p;
 - prefill tokens/s against the bf16 GEMM rate measured here;
-- the elementwise ops: Triton kernels vs torch eager vs torch.compile (compile time included).
+- the elementwise ops: Triton kernels vs torch eager vs torch.compile (compile time included);
+- `quantization: int8 | int4` (kernels/triton_linear.py): decode step time with CUDA graphs at batch 1/8/32/64 x
+  context 512 against bfloat16 weights, each against the HBM bound of its own bytes, and prefill tokens/s.
 Writes every figure to --out (JSON) and prints a table. Run by scripts/gpu_check.sh.
 """
 
@@ -165,7 +167,9 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> object:
 
 
 def weight_bytes(model: PagedLlama) -> int:
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    """The bytes a decode step reads of the weights: the parameters but the embedding, and each quantized Linear's."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name) + \
+        sum(getattr(m.gemm, "nbytes", 0) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 @torch.inference_mode()
@@ -211,8 +215,8 @@ def decode_figures(model: PagedLlama, hf: LlamaForCausalLM | None, ceil: dict, k
 def prefill_figures(runner: CudaRunner, ceil: dict) -> list[dict]:
     cfg = runner.model_config
     out = []
-    linear = sum(p.numel() for name, p in runner.model.named_parameters()
-                 if p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name)
+    linear = sum(m.in_features * m.out_features for name, m in runner.model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name != "lm_head")
     for S, n in ((1, 2048), (4, 2048), (16, 512)):
         seqs = []
         blocks = -(-n // 16)
@@ -263,6 +267,35 @@ def elementwise_figures(cfg, dtype: torch.dtype) -> list[dict]:
             f"{row['torch_eager_ms']:.3f} ms, torch.compile {row['torch_compile_ms']:.3f} ms "
             f"(compile {row['torch_compile_first_call_s']:.1f} s)")
     return out
+
+
+@torch.inference_mode()
+def quantized_figures(ceil: dict) -> list[dict]:
+    folder = Path(tempfile.mkdtemp())
+    hf = build("llama-3-8b", torch.bfloat16, folder)
+    state = hf.state_dict()
+    block_size, context, batches = 16, 512, (1, 8, 32, 64)
+    num_blocks = max(batches) * -(-(context + 1) // block_size)
+    rows = []
+    for quantization in ("none", "int8", "int4"):
+        model = load_model(folder, torch.bfloat16, "cuda", state=state)
+        runner = CudaRunner(model, num_blocks, block_size, max(batches), max_model_len=context + 64,
+                            quantization=quantization)
+        runner.kv_cache.normal_()
+        row = {"quantization": quantization, "weight_GB": weight_bytes(model) / 1e9}
+        for B in batches:
+            batch = decode_batch(B, context, block_size)
+            ms = median_ms(lambda: runner.forward(batch).argmax(-1).tolist())
+            kv = B * (context + 1) * model.cfg.num_layers * 2 * model.cfg.num_kv_heads * model.cfg.head_dim * 2
+            bound = (weight_bytes(model) + kv) / (ceil["copy_GBps"] * 1e6)
+            row[f"B{B}_ms"], row[f"B{B}_of_bound"] = ms, bound / ms
+        log(f"  {quantization}: {row['weight_GB']:.2f} GB of weights; ms per decode step (graphs, context {context}): "
+            + ", ".join(f"B={B} {row[f'B{B}_ms']:.2f} ({100 * row[f'B{B}_of_bound']:.0f} % of bound)" for B in batches))
+        row["prefill"] = prefill_figures(runner, ceil)
+        rows.append(row)
+        del runner, model
+        torch.cuda.empty_cache()
+    return rows
 
 
 def section(name: str, fn):
@@ -324,7 +357,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results/gpu_bench.json")
     parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="draw a run's decode figures, run nothing")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: correctness decode elementwise")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="sections to skip: correctness decode quantized elementwise")
     parser.add_argument("--only-engine", action="store_true", help="the engine step figures alone (8B shapes)")
     args = parser.parse_args()
     if args.plot:
@@ -358,6 +392,9 @@ def main() -> None:
             results["engine_decode"] = engine_figures(folder, model)
             return rows
         section("decode/llama-3-8b/bfloat16", decode)
+        out.write_text(json.dumps(results, indent=1))
+    if "quantized" not in args.skip:
+        section("quantized/llama-3-8b/bfloat16", lambda: quantized_figures(results["ceilings"]))
         out.write_text(json.dumps(results, indent=1))
     if "elementwise" not in args.skip:
         folder = Path(tempfile.mkdtemp())
