@@ -1,5 +1,6 @@
 """GEMM tactics (backend/engine/runners/gemm.py): each one, forced, against HF within a stated tolerance, so a
-tactic this machine never picks is still tested; the measured choice is cached and reused.
+tactic this machine never picks is still tested; the measured choice is cached and reused, unless other processes
+took a share of the CPUs while it was measured.
 
 Tolerances on the last-token logits of every prompt (max |difference| per prompt):
 - float32 tactics vs HF float32: 1e-3 (a tactic only reorders float32 sums; logits here have std ~4).
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,27 @@ def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monke
     written = cache.stat().st_mtime_ns
     again = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
     assert again.gemm_tactics == runner.gemm_tactics and cache.stat().st_mtime_ns == written
+
+
+def test_a_table_timed_beside_a_busy_process_serves_but_is_not_cached(tmp_path, monkeypatch):
+    """A real busy process on this process's CPUs while the tactics are timed: the choices are made (and returned)
+    but not written to the cache, which would keep a timing it distorted for every later start; timed alone, they
+    are cached. SmolLM2's MLP shapes: about a second of timing alone."""
+    monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    shapes = [gemm.Shape(1536, 576, gemm.LAYER_TOKENS), gemm.Shape(576, 1536, gemm.LAYER_TOKENS)]
+    names = gemm.candidates(torch.float32, torch.device("cpu"))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        contended = gemm.choose(shapes, torch.float32, torch.device("cpu"))
+    finally:
+        busy.kill()
+        busy.wait()
+    assert set(contended) == set(shapes) and set(contended.values()) <= set(names)
+    assert not gemm.cache_file().exists()
+    alone = gemm.choose(shapes, torch.float32, torch.device("cpu"))
+    assert set(alone.values()) <= set(names)
+    assert len(json.loads(gemm.cache_file().read_text())) == len(shapes)
 
 
 def test_unknown_backend_is_refused_by_name(tiny_model_dir):

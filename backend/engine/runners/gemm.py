@@ -7,7 +7,8 @@ with avx512_bf16 but no AMX, a native bfloat16 GEMM can be slower than a float32
 So at load, each candidate is timed on each of the model's Linear shapes at a few token counts, and the
 fastest per shape is kept. Choices are cached per CPU (model name and flags), torch version, thread count,
 dtype, candidates and shape in `.cache/gemm/` (`$LLM_KERNEL_CACHE/../gemm` when set), so the second start
-costs nothing.
+costs nothing; unless other processes took a share of the CPUs while they were timed (cpu_share.py reads it):
+those choices serve the process that timed them and are timed again at the next start.
 
 A candidate is a tactic that runs on this CPU: each is probed once per process and dtype on a tiny weight
 (oneDNN's bfloat16 path needs avx512bw/vl/dq or avx_ne_convert: an AVX2-only CPU such as AMD Zen 3 lacks it,
@@ -65,6 +66,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from backend.engine.cpu_share import CpuShare
 from backend.engine.kernels.cpu_kernels import REPO_ROOT, cpu_tag
 from backend.engine.models.checkpoint_format import AS_STORED
 from backend.engine.models.weight_blocks import (Blocks, InputsPermuted, Q4Blocks, Q8Blocks, Weight, q4_1, q8_0,
@@ -76,6 +78,9 @@ QUANTIZATIONS = ("none", "int8", "int4", *AS_STORED)  # AS_STORED: a checkpoint'
 LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefill-chunk budgets
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 COLD_BYTES = 64 << 20  # weights cycled through when timing: past the L2 and the share of L3 a 2-core VM sees
+# a table timed while other processes took more than this of the CPUs (on average, and in CPU-seconds, above
+# /proc/stat's 10 ms ticks) is not cached: a timing it cut short would be kept for every later start
+CONTENDED_CPUS, CONTENDED_CPU_S = 0.25, 0.1
 _lock = threading.Lock()
 
 
@@ -298,11 +303,16 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
         missing = [s for s in shapes if f"{prefix}/{s.key}" not in table]
         if missing:
             log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
+        share, start = CpuShare.start(), time.monotonic()
         for shape in missing:
             timings = measure(shape, dtype, names)
             table[f"{prefix}/{shape.key}"] = {
                 "choice": min(timings, key=timings.get), "us_per_token": {k: v * 1e6 for k, v in timings.items()}}
-        if missing:
+        others = share.others() if share and missing else 0.0
+        if others > CONTENDED_CPUS and others * (time.monotonic() - start) > CONTENDED_CPU_S:
+            log.warning("gemm: other processes used %.1f CPUs while the tactics were timed; this process serves "
+                        "these choices, and they are not cached (the next start times them again)", others)
+        elif missing:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
