@@ -1,8 +1,9 @@
 // Paged attention for the CPU: each query reads its sequence's keys and values in place, block by
 // block through the block table. No gather into padded rows, no mask tensor: the work and the memory
 // read are those of the real context, which the gather path (models/llama.py) pays for the longest
-// sequence of the batch. Math in float32 whatever the storage dtype; softmax exact (two passes). A float32 cache is
-// read by attend_token, a narrow one (bfloat16, float16, int8: kv_quantization.py) by attend_token_grouped.
+// sequence of the batch. Math in float32 whatever the storage dtype; softmax exact (two passes). A decode token reads
+// a float32 cache by attend_token, a narrow one (bfloat16, float16, int8: kv_quantization.py) by attend_token_grouped;
+// a prefill chunk's tokens go in tiles (attend_tile), any cache.
 //
 // A query of sequence s at index i of its chunk sits at position context_lens[s] - chunk + i and sees
 // keys 0..position: the cache must already hold this step's new keys and values.
@@ -10,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -187,6 +189,138 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
   }
 }
 
+// Prefill chunks: a tile of a sequence's consecutive query tokens times the G query heads of one KV head, R rows of
+// queries (up to kTileRows, or G), against the keys in blocks of kKeys. Each key and value a thread reads is widened
+// (and the keys transposed to [D][kKeys], so that a block's scores of a row are two vectors, no horizontal adds) once
+// per sequence and KV head into its scratch, then used by every row of every tile: q.k costs 2 loads and R
+// broadcasts per 2R multiply-adds, p.v DV loads and R broadcasts per R x DV, where attend_token paid a load per
+// multiply-add and a horizontal add per key, per head and token.
+constexpr int kTileRows = 6;
+constexpr int64_t kKeys = 2 * kLanes;
+#if defined(__AVX512F__)
+constexpr int kPV = 4;  // value vectors per pass: 6 x 4 accumulators
+#else
+constexpr int kPV = 2;
+#endif
+
+struct TileScratch {  // a thread's; left uninitialized: a lane past a row's keys is computed but never read
+  std::unique_ptr<float[]> kt, vw, scores, qs, inv;  // keys [blocks][D][kKeys], values [n][D], scores [rows][stride],
+                                                     // queries [rows][D], each row's 1 / sum of its exps
+  int64_t seq = -1, kv_head = -1, have = 0;  // whose keys and values are widened, and how many
+  TileScratch(int64_t keys, int64_t D, int64_t rows)
+      : kt(new float[keys * D]), vw(new float[keys * D]), scores(new float[rows * keys]), qs(new float[rows * D]),
+        inv(new float[rows]) {}
+};
+
+template <int MR>
+void qk_rows(const float* __restrict qs, int64_t D, const float* __restrict kt, int64_t blocks,
+             float* __restrict scores, int64_t stride) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* __restrict kb = kt + b * D * kKeys;
+    vfloat a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vfloat{};
+    for (int64_t d = 0; d < D; ++d) {
+      const vfloat k0 = load(kb + d * kKeys), k1 = load(kb + d * kKeys + kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const float x = qs[r * D + d];
+        a0[r] += x * k0;
+        a1[r] += x * k1;
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      store(scores + r * stride + b * kKeys, a0[r]);
+      store(scores + r * stride + b * kKeys + kLanes, a1[r]);
+    }
+  }
+}
+
+// rows of p (zero past each row's keys) times values 0..n-1: out row r = sum_j p[r][j] v[j] * inv[r]; row r's output
+// at out + offset(r)
+template <typename scalar_t, int MR, int DV, typename Offset>
+void pv_rows(const float* __restrict p, int64_t stride, const float* __restrict vw, int64_t n, int64_t D,
+             const float* __restrict inv, scalar_t* __restrict out, Offset offset) {
+  for (int64_t c = 0; c < D; c += DV * kLanes) {
+    vfloat acc[MR][DV];
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < DV; ++i) acc[r][i] = vfloat{};
+    for (int64_t j = 0; j < n; ++j) {
+      vfloat v[DV];
+      for (int i = 0; i < DV; ++i) v[i] = load(vw + j * D + c + i * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const float x = p[r * stride + j];
+        for (int i = 0; i < DV; ++i) acc[r][i] += x * v[i];
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < DV; ++i) store(out + offset(r) + c + i * kLanes, acc[r][i] * inv[r]);
+  }
+}
+
+template <typename F>
+void by_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, MR>, first row) over rows in runs of <= 6
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    switch (std::min<int64_t>(kTileRows, rows - r0)) {
+      case 6: f(std::integral_constant<int, 6>{}, r0); break;
+      case 5: f(std::integral_constant<int, 5>{}, r0); break;
+      case 4: f(std::integral_constant<int, 4>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      default: f(std::integral_constant<int, 1>{}, r0); break;
+    }
+  }
+}
+
+// Tokens first..first + tokens - 1 of one sequence (rows of q and out), token i seeing keys 0..n_first + i - 1, the
+// G heads of KV head kh.
+template <typename scalar_t, typename cache_t, int V>
+void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache, const cache_t* __restrict v_cache,
+                 scalar_t* __restrict out, const int64_t* __restrict table, int64_t seq, int64_t kh, int64_t first,
+                 int64_t tokens, int64_t n_first, const Shape& shape, TileScratch& sc) {
+  constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
+  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, W = D + (kInt8 ? 4 : 0);
+  const int64_t BS = shape.block_size, row = KVH * W, R = tokens * G, n_max = n_first + tokens - 1;
+  const int64_t stride = (shape.max_ctx + kKeys - 1) / kKeys * kKeys;
+  if (sc.seq != seq || sc.kv_head != kh) sc.seq = seq, sc.kv_head = kh, sc.have = 0;
+  for (int64_t j = sc.have; j < n_max; ++j) {
+    const int64_t offset = (table[j / BS] * BS + j % BS) * row + kh * W;
+    const cache_t *__restrict kr = k_cache + offset, *__restrict vr = v_cache + offset;
+    float ks = 1.f, vs = 1.f;
+    if constexpr (kInt8) {
+      std::memcpy(&ks, kr + D, sizeof ks);
+      std::memcpy(&vs, vr + D, sizeof vs);
+    }
+    float* __restrict kt = sc.kt.get() + (j / kKeys) * D * kKeys + j % kKeys;
+    for (int v = 0; v < V; ++v) {
+      const vfloat k = kInt8 ? load(kr + v * kLanes) * ks : load(kr + v * kLanes);
+      store(sc.vw.get() + j * D + v * kLanes, kInt8 ? load(vr + v * kLanes) * vs : load(vr + v * kLanes));
+      for (int64_t l = 0; l < kLanes; ++l) kt[(v * kLanes + l) * kKeys] = k[l];
+    }
+  }
+  sc.have = std::max(sc.have, n_max);
+  const auto offset = [&](int64_t r) { return ((first + r / G) * H + kh * G + r % G) * D; };  // row r's q and out
+  float* __restrict qs = sc.qs.get();
+  for (int64_t r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store(qs + r * D + v * kLanes, load(q + offset(r) + v * kLanes) * shape.scale);
+  const int64_t blocks = (n_max + kKeys - 1) / kKeys;
+  float* __restrict scores = sc.scores.get();
+  by_rows(R, [&](auto mr, int64_t r0) {
+    qk_rows<decltype(mr)::value>(qs + r0 * D, D, sc.kt.get(), blocks, scores + r0 * stride, stride);
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = n_first + r / G;
+    float* s = scores + r * stride;
+    sc.inv[r] = 1.f / softmax(s, n);
+    std::fill(s + n, s + n_max, 0.f);
+  }
+  constexpr int DV = V < kPV ? V : kPV;
+  by_rows(R, [&](auto mr, int64_t r0) {
+    pv_rows<scalar_t, decltype(mr)::value, DV>(scores + r0 * stride, stride, sc.vw.get(), n_max, D,
+                                               sc.inv.get() + r0, out, [&](int64_t r) { return offset(r0 + r); });
+  });
+}
+
 template <typename scalar_t, typename cache_t>
 void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, scalar_t* out,
             const int64_t* block_tables, const int64_t* query_start, const int64_t* context_lens,
@@ -196,33 +330,65 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     std::fill(token_seq.begin() + query_start[s], token_seq.begin() + query_start[s + 1], s);
     shape.max_ctx = std::max(shape.max_ctx, context_lens[s]);
   }
-  const int64_t HD = shape.num_heads * shape.head_dim;
+  const int64_t HD = shape.num_heads * shape.head_dim, group = shape.num_heads / shape.num_kv_heads;
+  // chunks of 2+ tokens (prefill) in tiles of `per_tile` tokens per KV head (attend_tile); single tokens one by one
+  const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
+  struct Tile {
+    int64_t seq, kv_head, first, tokens;
+  };
+  std::vector<Tile> tiles;
+  std::vector<int64_t> singles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = query_start[s], end = query_start[s + 1];
+    if (end - begin == 1) singles.push_back(begin);
+    else if (end > begin)
+      for (int64_t kh = 0; kh < shape.num_kv_heads; ++kh)
+        for (int64_t t = begin; t < end; t += per_tile) tiles.push_back({s, kh, t, std::min(per_tile, end - t)});
+  }
   const auto token = [&](auto head_vectors) {
     constexpr int V = decltype(head_vectors)::value;
-    // Thread c takes tokens c, c + n, c + 2n, ...: prefill tokens cost far more than decode tokens, and
-    // a strided deal spreads both kinds over the threads (contiguous chunks would not).
-    const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tokens);
-    at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-      // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
-      const int64_t G = std::is_same_v<cache_t, float> ? 0 : shape.num_heads / shape.num_kv_heads;
-      std::vector<float> scores(std::max<int64_t>(G, 1) * shape.max_ctx), rows(G ? 16 * shape.head_dim : 0),
-          acc(G * shape.head_dim);
-      std::vector<int64_t> offsets(shape.max_ctx);
-      for (int64_t c = begin; c < end; ++c) {
-        for (int64_t t = c; t < num_tokens; t += num_threads) {
-          const int64_t s = token_seq[t];
-          const int64_t chunk = query_start[s + 1] - query_start[s];
-          const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
-          const int64_t* table = block_tables + s * shape.max_blocks;
-          if constexpr (!std::is_same_v<cache_t, float>)
-            attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
-                                                       scores.data(), offsets.data(), rows.data(), acc.data());
-          else
-            attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
-                                      offsets.data());
+    // Thread c takes tiles c, c + n, c + 2n, ... (a sequence's later tiles see more keys; a strided deal spreads
+    // them, and each thread meets a sequence's tiles in order, its widened keys growing)
+    const int64_t tile_threads = std::min<int64_t>(at::get_num_threads(), tiles.size());
+    if (tile_threads)
+      at::parallel_for(0, tile_threads, 1, [&](int64_t begin, int64_t end) {
+        const int64_t keys = (shape.max_ctx + kKeys - 1) / kKeys * kKeys;
+        TileScratch scratch(keys, shape.head_dim, per_tile * group);
+        for (int64_t c = begin; c < end; ++c)
+          for (int64_t i = c; i < static_cast<int64_t>(tiles.size()); i += tile_threads) {
+            const Tile& tile = tiles[i];
+            const int64_t chunk = query_start[tile.seq + 1] - query_start[tile.seq];
+            const int64_t n_first = context_lens[tile.seq] - chunk + (tile.first - query_start[tile.seq]) + 1;
+            attend_tile<scalar_t, cache_t, V>(q, k_cache, v_cache, out, block_tables + tile.seq * shape.max_blocks,
+                                              tile.seq, tile.kv_head, tile.first, tile.tokens, n_first, shape,
+                                              scratch);
+          }
+      });
+    // Thread c takes tokens c, c + n, c + 2n, ...
+    const int64_t num_singles = singles.size();
+    const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_singles);
+    if (num_threads)
+      at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+        // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
+        const int64_t G = std::is_same_v<cache_t, float> ? 0 : shape.num_heads / shape.num_kv_heads;
+        std::vector<float> scores(std::max<int64_t>(G, 1) * shape.max_ctx), rows(G ? 16 * shape.head_dim : 0),
+            acc(G * shape.head_dim);
+        std::vector<int64_t> offsets(shape.max_ctx);
+        for (int64_t c = begin; c < end; ++c) {
+          for (int64_t i = c; i < num_singles; i += num_threads) {
+            const int64_t t = singles[i], s = token_seq[t];
+            const int64_t chunk = query_start[s + 1] - query_start[s];
+            const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
+            const int64_t* table = block_tables + s * shape.max_blocks;
+            if constexpr (!std::is_same_v<cache_t, float>)
+              attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
+                                                         scores.data(), offsets.data(), rows.data(), acc.data());
+            else
+              attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
+                                        offsets.data());
+          }
         }
-      }
-    });
+      });
   };
   switch (shape.head_dim / kLanes) {
     case 1: token(std::integral_constant<int, 1>{}); break;
