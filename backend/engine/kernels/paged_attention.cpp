@@ -324,12 +324,8 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
 template <typename scalar_t, typename cache_t>
 void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, scalar_t* out,
             const int64_t* block_tables, const int64_t* query_start, const int64_t* context_lens,
-            int64_t num_seqs, int64_t num_tokens, Shape shape) {
-  std::vector<int64_t> token_seq(num_tokens);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    std::fill(token_seq.begin() + query_start[s], token_seq.begin() + query_start[s + 1], s);
-    shape.max_ctx = std::max(shape.max_ctx, context_lens[s]);
-  }
+            int64_t num_seqs, Shape shape) {
+  for (int64_t s = 0; s < num_seqs; ++s) shape.max_ctx = std::max(shape.max_ctx, context_lens[s]);
   const int64_t HD = shape.num_heads * shape.head_dim, group = shape.num_heads / shape.num_kv_heads;
   // chunks of 2+ tokens (prefill) in tiles of `per_tile` tokens per KV head (attend_tile); single tokens one by one
   const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
@@ -337,10 +333,10 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     int64_t seq, kv_head, first, tokens;
   };
   std::vector<Tile> tiles;
-  std::vector<int64_t> singles;
+  std::vector<int64_t> singles;  // the sequences of one token (decodes)
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t begin = query_start[s], end = query_start[s + 1];
-    if (end - begin == 1) singles.push_back(begin);
+    if (end - begin == 1) singles.push_back(s);
     else if (end > begin)
       for (int64_t kh = 0; kh < shape.num_kv_heads; ++kh)
         for (int64_t t = begin; t < end; t += per_tile) tiles.push_back({s, kh, t, std::min(per_tile, end - t)});
@@ -364,7 +360,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
                                               scratch);
           }
       });
-    // Thread c takes tokens c, c + n, c + 2n, ...
+    // Thread c takes decodes c, c + n, c + 2n, ...
     const int64_t num_singles = singles.size();
     const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_singles);
     if (num_threads)
@@ -376,9 +372,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
         std::vector<int64_t> offsets(shape.max_ctx);
         for (int64_t c = begin; c < end; ++c) {
           for (int64_t i = c; i < num_singles; i += num_threads) {
-            const int64_t t = singles[i], s = token_seq[t];
-            const int64_t chunk = query_start[s + 1] - query_start[s];
-            const int64_t n = context_lens[s] - chunk + (t - query_start[s]) + 1;  // visible keys
+            const int64_t s = singles[i], t = query_start[s], n = context_lens[s];  // n: its visible keys
             const int64_t* table = block_tables + s * shape.max_blocks;
             if constexpr (!std::is_same_v<cache_t, float>)
               attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
@@ -424,7 +418,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const Shape shape{qc.size(1), kc.size(2), qc.size(2), kc.size(1), bt.size(1), 1, static_cast<float>(scale)};
     const auto run = [&](auto* k, auto* v) {
       attend(qc.data_ptr<scalar_t>(), k, v, out.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), qs.data_ptr<int64_t>(),
-             cl.data_ptr<int64_t>(), cl.size(0), qc.size(0), shape);
+             cl.data_ptr<int64_t>(), cl.size(0), shape);
     };
     if (int8)
       run(kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>());

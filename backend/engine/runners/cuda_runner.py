@@ -48,9 +48,9 @@ class CudaRunner:
                  max_model_len: int | None = None, cuda_graphs: bool = True, gemm_backend: str = "auto",
                  quantization: str = "none"):
         self.model = model
-        self.gemm_tactics = use_tactics(model, model.embed_tokens.weight.device, gemm_backend, quantization)
         self.model_config = cfg = model.cfg
         self.device = model.embed_tokens.weight.device
+        self.gemm_tactics = use_tactics(model, self.device, gemm_backend, quantization)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, model.embed_tokens.weight.dtype, self.device)
         self.multiprocessors = multiprocessors(self.device)

@@ -303,12 +303,12 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
         missing = [s for s in shapes if f"{prefix}/{s.key}" not in table]
         if missing:
             log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
-        share, start = CpuShare.start(), time.monotonic()
+            share, start = CpuShare.start(), time.monotonic()
         for shape in missing:
             timings = measure(shape, dtype, names)
             table[f"{prefix}/{shape.key}"] = {
                 "choice": min(timings, key=timings.get), "us_per_token": {k: v * 1e6 for k, v in timings.items()}}
-        others = share.others() if share and missing else 0.0
+        others = share.others() if missing and share else 0.0
         if others > CONTENDED_CPUS and others * (time.monotonic() - start) > CONTENDED_CPU_S:
             log.warning("gemm: other processes used %.1f CPUs while the tactics were timed; this process serves "
                         "these choices, and they are not cached (the next start times them again)", others)
