@@ -17,7 +17,7 @@ from backend.engine.kernels import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_TESTS = ("tests/test_fused_ops.py", "tests/test_paged_attention.py", "tests/test_gemm.py", "tests/test_quantization.py",
-             "tests/test_engine_correctness.py")
+             "tests/test_engine_correctness.py", "tests/test_sampler.py")
 AVX2_ONLY = {"LLM_KERNEL_MARCH": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 

@@ -32,3 +32,25 @@ def test_each_filter_keeps_what_it_should():
     assert out[2].tolist() == [4.0, 3.0, INF, INF, INF]
     # min_p 0.3: kept where p >= 0.3 x 0.636 = 0.191: the first two
     assert out[3].tolist() == [4.0, 3.0, INF, INF, INF]
+
+
+def test_argmax_kernel_is_torch_argmax():
+    """kernels/argmax.cpp, the greedy pick on the CPU, returns torch.argmax's index: the first of equal maxima, the
+    first NaN, -inf rows, a row shorter than a vector, vocabularies that are not whole vectors, strided rows."""
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 5, 16, 49152, 49157):
+        x = torch.randn(24, vocab + 3, generator=gen)[:, 2:vocab + 2]  # rows with a stride of their own
+        x[1] = 1.0  # all equal
+        x[2, vocab // 2:] = 7.0  # ties after the first maximum
+        x[3] = float("-inf")
+        x[4, vocab - 1] = float("nan")
+        x[5, vocab // 3] = float("nan")
+        x[5, vocab - 1] = float("nan")
+        x[6, vocab - 1] = 100.0  # the maximum in the tail past the last whole vector
+        x[7, 0] = 100.0
+        got = torch.ops.llm_kernels.argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), vocab
+        assert torch.equal(cpu_kernels.argmax(x), got)

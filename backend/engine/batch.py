@@ -89,8 +89,7 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
             b = min(a + Q, n)
             r = len(row_tables)
             row_tables.append(block_tables[s])
-            tokens = np.arange(t + a, t + b)
-            row_tokens.append(np.pad(tokens, (0, Q - (b - a)), mode="edge"))
+            row_tokens.append(np.minimum(np.arange(t + a, t + a + Q), t + b - 1))  # padded with its last token
             token_slot[t + a:t + b] = r * Q + np.arange(b - a)
             # the row sees every new key of its sequence up to its last query
             srcs.append(np.arange(t, t + b))

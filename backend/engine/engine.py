@@ -400,7 +400,9 @@ class LLMEngine:
         plain = [i for i in sampled if not sched.scheduled[i][0].draft_token_ids]
         rows = [self._sampler_row(sched.scheduled[i][0]) for i in plain]
         last_rows = batch.logits_start[1:] - 1
-        picks = sample(logits[last_rows[np.asarray(plain, dtype=np.int64)]], rows) if rows else []
+        index = last_rows[np.asarray(plain, dtype=np.int64)]
+        identity = len(index) == len(logits) and (index == np.arange(len(index))).all()  # a decode step's: no copy
+        picks = sample(logits if identity else logits[index], rows) if rows else []
         dead = [sched.scheduled[i][0] for i, pick in zip(plain, picks) if pick.token == NO_TOKEN]
         tokens = {i: [pick] for i, pick in zip(plain, picks) if pick.token != NO_TOKEN}
         if drafted:  # every verified position sampled as it would be without speculation (speculation.py)

@@ -20,6 +20,7 @@ import torch
 
 from backend.engine.errors import InvalidRequestError
 from backend.engine.guided_decoding import GrammarState, Guide, apply_masks
+from backend.engine.kernels.cpu_kernels import argmax
 
 NO_TOKEN = -1  # sample()'s token for a guided row that allows none (its grammar, min_tokens and bad words)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -229,7 +230,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
                 _apply_penalties(processed[i], row)
             if row.banned_ids:
                 processed[i, row.banned_ids] = float("-inf")
-    picks = processed.argmax(dim=-1)
+    picks = argmax(processed)
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         probs = torch.softmax(_filter(processed[drawn], [rows[i].params for i in drawn]), dim=-1)
@@ -237,7 +238,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
         noise = torch.empty_like(probs)
         for j, i in enumerate(drawn):
             noise[j].exponential_(generator=rows[i].state.generator(probs.device, rows[i].position))
-        picks[drawn] = (probs / noise).argmax(dim=-1)
+        picks[drawn] = argmax(probs / noise)
     columns = [picks]
     if guided:  # a row whose every token is masked or banned picks one at -inf: it has none
         columns.append(processed.gather(1, picks[:, None])[:, 0])

@@ -1,7 +1,7 @@
 """The CPU kernels of the eager PyTorch path, compiled on first use: paged attention (paged_attention.cpp), the
 fused elementwise ops around the GEMMs (fused_ops.cpp), both over cpu_math.h, the float32 GEMM of the `f32_panels`
-tactic (f32_linear.cpp), and the int8 GEMMs of the `quantization` tactics (q8_linear.cpp, q8_0_w8a8.cpp,
-q4_1_w4a8.cpp).
+tactic (f32_linear.cpp), the int8 GEMMs of the `quantization` tactics (q8_linear.cpp, q8_0_w8a8.cpp,
+q4_1_w4a8.cpp), and the sampler's argmax (argmax.cpp).
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them), once, into `$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take
@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_linear.cpp", HERE / "q8_linear.cpp",
-           HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp")
+           HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp")
 HEADERS = (HERE / "cpu_math.h",)
 REPO_ROOT = HERE.parents[2]
 _lock = threading.Lock()
@@ -54,7 +54,7 @@ def load() -> None:
     from torch.utils.cpp_extension import load as build
 
     with _lock:
-        if hasattr(torch.ops.llm_kernels, "paged_attention"):
+        if loaded():
             return
         root = Path(os.environ.get("LLM_KERNEL_CACHE") or REPO_ROOT / ".cache" / "kernels")
         build_dir = root / cpu_tag()
@@ -65,6 +65,18 @@ def load() -> None:
         build(name="llm_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
               extra_cflags=["-O3", f"-march={march()}", "-fopenmp", f"-DLLM_KERNELS_HEADERS={headers}"],
               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+def loaded() -> bool:
+    return hasattr(torch.ops.llm_kernels, "paged_attention")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of x [S, V]: by argmax.cpp when x is float32 on the CPU and a runner has loaded the
+    kernels (sampling never builds them), else by torch."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and loaded():
+        return torch.ops.llm_kernels.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
