@@ -22,7 +22,11 @@ thread whose partner was descheduled burns its slice, which made 2-thread runs 1
 
     python -m load_tests.bench_offline [--model DIR|random56m] [--dtype float32|bfloat16|both]
         [--systems engine,engine@gemm_backend=onednn,hf_static,hf_cb] [--vllm] [--llamacpp] [--streams N] [--num-requests 64] [--threads 2]
-        [--rss-check] [--wait-idle SECONDS] [--omp-passive] [--out results/offline.json]
+        [--rss-check] [--wait-idle SECONDS] [--omp-passive] [--rounds N] [--out results/offline.json]
+
+--rounds N runs every system N times, alternating (engine, vllm, engine, vllm, ...), and prints each ratio's
+median over the rounds and every round's: on a VM whose speed drifts by a quarter within minutes, one run of
+each system decides nothing.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class SystemResult:
     loadavg_1m: tuple[float, float] = (0.0, 0.0)
     extra: dict = field(default_factory=dict)
     error: str | None = None
+    round: int = 0  # of --rounds
 
 
 class Progress:
@@ -473,6 +478,32 @@ def ratios(results: list[SystemResult]) -> dict[tuple[str, str], dict[str, float
     }
 
 
+def by_round(results: list[SystemResult]) -> list[list[SystemResult]]:
+    return [[r for r in results if r.round == k] for k in range(max((r.round for r in results), default=0) + 1)]
+
+
+def round_ratios(results: list[SystemResult]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """Each system's ratios to the baselines, one per round. A round runs every system once, so a ratio compares
+    runs minutes apart; on a VM whose speed drifts by a quarter within minutes the rounds' spread and median say
+    more than any one run."""
+    out: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for results_k in by_round(results):
+        for key, xs in ratios(results_k).items():
+            for name, x in xs.items():
+                out.setdefault(key, {}).setdefault(name, []).append(x)
+    return out
+
+
+def rounds_summary(results: list[SystemResult]) -> str:
+    lines = [f"over {len(by_round(results))} rounds, each system's ratio to each baseline: median (each round's)"]
+    for (system, dtype), xs in round_ratios(results).items():
+        parts = [f"{name} {statistics.median(v):.2f} ({' '.join(f'{x:.2f}' for x in v)})"
+                 for name, v in xs.items() if name != f"x_{system}"]
+        if parts:
+            lines.append(f"  {system:<12} {dtype:<9} " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def table(results: list[SystemResult], threads: int) -> str:
     """A plain-text table of the results with ratios to our float engine, hf_cb and vLLM, and a warning when
     contended."""
@@ -503,6 +534,14 @@ def table(results: list[SystemResult], threads: int) -> str:
         lines.append(f"WARNING: load average above {threads} threads: other processes shared the CPU, "
                      "so these numbers are low and noisy")
     return "\n".join(lines)
+
+
+def median_runs(results: list[SystemResult]) -> list[SystemResult]:
+    """Each (system, dtype)'s run of median tok/s (the lower middle one of an even count)."""
+    runs: dict[tuple[str, str], list[SystemResult]] = {}
+    for r in results:
+        runs.setdefault((r.system, r.dtype), []).append(r)
+    return [sorted(rs, key=lambda r: r.output_tok_s)[(len(rs) - 1) // 2] for rs in runs.values()]
 
 
 def plot(results: list[SystemResult], path: Path, title: str) -> None:
@@ -542,6 +581,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=0,
                    help="closed-loop streams for the engine systems and llamacpp (default: all requests at once)")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, alternating, and report each ratio's median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rss-check", action="store_true",
@@ -589,14 +630,23 @@ def main(argv: list[str] | None = None) -> None:
             more = make_workload(RSS_CHECK_REQUESTS, RSS_CHECK_PROMPT_LEN, RSS_CHECK_OUTPUT_LEN, vocab_size,
                                  seed=args.seed + 1, exclude_ids=special)
             save_workload(more, rss_check)
-        for dtype in dtypes:
-            for system in args.systems:
-                results.append(run_system(system, model_dir, dtype, workload,
-                                          rss_check if system == "engine" else None, args.wait_idle))
+        for k in range(args.rounds):
+            for dtype in dtypes:
+                for system in args.systems:
+                    result = run_system(system, model_dir, dtype, workload,
+                                        rss_check if system == "engine" and k == 0 else None, args.wait_idle)
+                    result.round = k
+                    results.append(result)
     print(f"CPU: {cpu_summary()}")
-    print(table(results, args.threads))
+    for k, results_k in enumerate(by_round(results)):
+        if args.rounds > 1:
+            print(f"round {k + 1} of {args.rounds}")
+        print(table(results_k, args.threads))
+    if args.rounds > 1:
+        print(rounds_summary(results))
 
-    rel = ratios(results)
+    rel = {(system, dtype, k): x for k, results_k in enumerate(by_round(results))
+           for (system, dtype), x in ratios(results_k).items()}
     report = {
         "model": str(model_dir),
         "workload": {"num_requests": len(requests), "seed": args.seed, "prompt_tokens": prompt_tokens,
@@ -608,11 +658,15 @@ def main(argv: list[str] | None = None) -> None:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "machine": {"cpu": cpu_summary(), "cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
-        "results": [{**asdict(r), **rel.get((r.system, r.dtype), {})} for r in results],
+        "results": [{**asdict(r), **rel.get((r.system, r.dtype, r.round), {})} for r in results],
+        "rounds": args.rounds,
+        "median_ratios": {f"{system} {dtype}": {name: statistics.median(v) for name, v in xs.items()}
+                          for (system, dtype), xs in round_ratios(results).items()},
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     chart = args.out.with_suffix(".png")
-    plot(results, chart, f"{model_dir.name}: {len(requests)} requests, {args.threads} threads\n{cpu_summary()}")
+    plot(median_runs(results), chart, f"{model_dir.name}: {len(requests)} requests, {args.threads} threads"
+         + (f", each system's median run of {args.rounds}" if args.rounds > 1 else "") + f"\n{cpu_summary()}")
     print(f"wrote {args.out} and {chart}", file=sys.stderr)
 
 
