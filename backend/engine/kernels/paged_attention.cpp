@@ -52,6 +52,14 @@ inline float softmax(float* __restrict x, int64_t n) {
   return sum(total) + rest;
 }
 
+// An int8 cache row's scale (kv_quantization.py: a float32 after the row's head_dim values); 1 for other caches.
+template <typename cache_t>
+inline float row_scale(const cache_t* __restrict r, int64_t D) {
+  float scale = 1.f;
+  if constexpr (std::is_same_v<cache_t, int8_t>) std::memcpy(&scale, r + D, sizeof scale);
+  return scale;
+}
+
 // One query token against keys 0..n-1 of its sequence, head by head: the head's query and its output
 // accumulator stay in registers (V vectors of kLanes floats: head_dim = V * kLanes). q.k costs V loads and V
 // FMAs per (head, key) and, with AVX-512, a shared horizontal add per 16 keys (sum16); p.v V loads and V FMAs
@@ -137,13 +145,9 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
         __builtin_prefetch(head + offsets[j0 + 32 + i] + W - 1);
       }
       const cache_t* __restrict r = head + offsets[j0 + i];
-      if constexpr (kInt8) {
-        float scale;
-        std::memcpy(&scale, r + D, sizeof scale);
-        for (int v = 0; v < V; ++v) store(rows + i * D + v * kLanes, load(r + v * kLanes) * scale);
-      } else {
-        for (int v = 0; v < V; ++v) store(rows + i * D + v * kLanes, load(r + v * kLanes));
-      }
+      const float scale = row_scale(r, D);
+      for (int v = 0; v < V; ++v)
+        store(rows + i * D + v * kLanes, kInt8 ? load(r + v * kLanes) * scale : load(r + v * kLanes));
     }
   };
 
@@ -320,11 +324,7 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
   for (int64_t j = sc.have; j < n_max; ++j) {
     const int64_t offset = (table[j / BS] * BS + j % BS) * row + kh * W;
     const cache_t *__restrict kr = k_cache + offset, *__restrict vr = v_cache + offset;
-    float ks = 1.f, vs = 1.f;
-    if constexpr (kInt8) {
-      std::memcpy(&ks, kr + D, sizeof ks);
-      std::memcpy(&vs, vr + D, sizeof vs);
-    }
+    const float ks = row_scale(kr, D), vs = row_scale(vr, D);
     float* __restrict kt = sc.kt.get() + (j / kKeys) * D * kKeys + j % kKeys;
     for (int v = 0; v < V; ++v) {
       const vfloat k = kInt8 ? load(kr + v * kLanes) * ks : load(kr + v * kLanes);
