@@ -494,9 +494,9 @@ def round_ratios(results: list[SystemResult]) -> dict[tuple[str, str], dict[str,
     return out
 
 
-def rounds_summary(results: list[SystemResult]) -> str:
-    lines = [f"over {len(by_round(results))} rounds, each system's ratio to each baseline: median (each round's)"]
-    for (system, dtype), xs in round_ratios(results).items():
+def rounds_summary(per_round: dict[tuple[str, str], dict[str, list[float]]], rounds: int) -> str:
+    lines = [f"over {rounds} rounds, each system's ratio to each baseline: median (each round's)"]
+    for (system, dtype), xs in per_round.items():
         parts = [f"{name} {statistics.median(v):.2f} ({' '.join(f'{x:.2f}' for x in v)})"
                  for name, v in xs.items() if name != f"x_{system}"]
         if parts:
@@ -642,8 +642,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.rounds > 1:
             print(f"round {k + 1} of {args.rounds}")
         print(table(results_k, args.threads))
+    per_round = round_ratios(results)
     if args.rounds > 1:
-        print(rounds_summary(results))
+        print(rounds_summary(per_round, args.rounds))
 
     rel = {(system, dtype, k): x for k, results_k in enumerate(by_round(results))
            for (system, dtype), x in ratios(results_k).items()}
@@ -661,7 +662,7 @@ def main(argv: list[str] | None = None) -> None:
         "results": [{**asdict(r), **rel.get((r.system, r.dtype, r.round), {})} for r in results],
         "rounds": args.rounds,
         "median_ratios": {f"{system} {dtype}": {name: statistics.median(v) for name, v in xs.items()}
-                          for (system, dtype), xs in round_ratios(results).items()},
+                          for (system, dtype), xs in per_round.items()},
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     chart = args.out.with_suffix(".png")
