@@ -123,8 +123,8 @@ def _f32_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    packed = torch.ops.llm_kernels.f32_pack(weight.float())
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.f32_linear(x, packed, weight.shape[0]))
+    packed, rows = torch.ops.llm_kernels.f32_pack(weight.float()), weight.shape[0]  # not `weight`: the module frees it
+    return _float_bias(bias, lambda x: torch.ops.llm_kernels.f32_linear(x, packed, rows))
 
 
 def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
