@@ -86,6 +86,28 @@ def test_f32_panels_is_a_float32_linear_at_every_row_and_panel_count(m, n, k):
     assert torch.allclose(narrow.float(), F.linear(xb.float(), wb.float(), bb.float()), rtol=2 ** -8, atol=1e-4 * k ** 0.5)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 100, 96), (16, 64, 64), (17, 20, 7), (48, 960, 576),
+                                   (70, 200, 33), (130, 48, 64)])
+def test_bf16_amx_is_a_bfloat16_linear_at_every_row_and_panel_count(m, n, k):
+    """Rows past whole tiles (16) and past the 64 rows that share a B tile, a last panel narrower than 16 channels,
+    in_features past whole k-blocks (32), a bias: float32 sums of exact bfloat16 products, rounded once. Where the CPU
+    has no AMX-BF16, the tactic is no candidate and refused by name."""
+    torch.manual_seed(m * n + k)
+    x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    if "bf16_amx" not in gemm.candidates(torch.bfloat16, torch.device("cpu")):
+        assert "AMX" in gemm.why_not("bf16_amx", torch.bfloat16)
+        return
+    exact = x.double() @ w.double().T + b.double()
+    for bias in (b, None):
+        got = gemm.TACTICS["bf16_amx"].prepare(w, bias)(x)
+        want = exact if bias is not None else exact - b.double()
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert torch.allclose(got.double(), want, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+    strided = torch.randn(m, 2 * k).bfloat16()[:, ::2]  # not contiguous: read through the padded copy
+    assert torch.equal(gemm.TACTICS["bf16_amx"].prepare(w, b)(strided),
+                       gemm.TACTICS["bf16_amx"].prepare(w, b)(strided.contiguous()))
+
+
 def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
     runner = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
@@ -143,5 +165,6 @@ def test_a_tactic_this_cpu_cannot_run_is_no_candidate_and_refused_by_name(tiny_m
     assert proc.returncode == 0, proc.stderr[-3000:]
     refusal, chosen = proc.stdout.strip().splitlines()[-2:]
     assert refusal.startswith("gemm_backend: onednn cannot run bfloat16 on this cpu (") and "avx512bw" in refusal
-    assert "candidates: ['aten', 'f32_panels', 'aten_f32', 'onednn_f32']" in refusal
+    amx = ["bf16_amx"] if gemm.why_not("bf16_amx", torch.bfloat16) is None else []  # ours: no oneDNN in it
+    assert f"candidates: {['aten', 'f32_panels', *amx, 'aten_f32', 'onednn_f32']}" in refusal
     assert "'onednn'" not in chosen, chosen

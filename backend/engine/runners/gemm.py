@@ -22,6 +22,9 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 - `f32_panels`: ours (kernels/f32_linear.cpp), float32 weights in panels that the loop prefetches ahead of its
   multiply-adds; ahead of oneDNN and MKL at decode sizes with the weights coming from DRAM (a bfloat16/float16 model's
   weights as a float32 copy).
+- `bf16_amx`: ours (kernels/bf16_amx.cpp), bfloat16 weights in AMX tiles, the next panel prefetched; a bfloat16 model
+  on a CPU with AMX-BF16 (Intel Xeon since Sapphire Rapids), where it reads decode-sized GEMMs' weights faster than
+  oneDNN's own AMX GEMM.
 
 Each candidate is timed as a step sees its weights: not in cache (a step reads every layer's before it comes back to
 the first), by cycling through copies of the weight that together outgrow the caches. Timed on one cache-hot copy, a
@@ -127,6 +130,14 @@ def _f32_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     return _float_bias(bias, lambda x: torch.ops.llm_kernels.f32_linear(x, packed, rows))
 
 
+def _bf16_amx(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    packed, rows = torch.ops.llm_kernels.bf16_amx_pack(weight), weight.shape[0]
+    return lambda x: torch.ops.llm_kernels.bf16_amx_linear(x, packed, bias, rows)
+
+
 def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
@@ -197,7 +208,7 @@ class Tactic:
 
 
 TACTICS = {t.name: t for t in (Tactic("aten", _aten, devices=("cpu", "cuda")), Tactic("onednn", _onednn),
-                               Tactic("f32_panels", _f32_panels),
+                               Tactic("f32_panels", _f32_panels), Tactic("bf16_amx", _bf16_amx, narrow_only=True),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
                                Tactic("q8_0", _q8_0, quantization="int8", reads=Q8Blocks),
