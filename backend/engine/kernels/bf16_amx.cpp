@@ -8,41 +8,24 @@
 // threads) took oneDNN's prepacked GEMM 12-20 ms a pass and this loop 9-12 (it prefetches the next panel into L2
 // while it computes on this one); at 48-64 rows ~10 % less; at 512, ~10 % more.
 //
-// Up to 4 row tiles (64 rows) share each loaded B tile: C tiles 0-3, A tiles 4-5, B tile 6. Each product of two
+// Up to 4 row tiles (64 rows) share each loaded B tile: C tiles 0-3, A tiles 4-5, B tile 6 (amx.h's config). Each product of two
 // bfloat16 values is exact in float32 and summed in float32 (TDPBF16PS flushes denormals); the sum is rounded to
 // bfloat16 once, after the bias: a float32-accumulating GEMM up to the order of sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <optional>
 
+#include "amx.h"
+
 namespace {
 
 constexpr int64_t kCols = 16, kDepth = 32;  // a panel's channels; a k-block's depth
-
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#define LLM_AMX 1
-bool amx_permitted() {  // Linux hands out AMX's tile state per process, on request
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 7; ++t) colsb[t] = 64, rows[t] = 16;  // 0-3: C (16 x 16 floats), 4-5: A, 6: B
-  }
-};
-#endif
 
 at::Tensor bf16_amx_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_amx_pack: bfloat16 [N, K] expected");
@@ -65,7 +48,7 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const 
 #if !defined(LLM_AMX)
   TORCH_CHECK(false, "bf16_amx_linear: this build has no AMX-BF16");
 #else
-  TORCH_CHECK(amx_permitted(), "bf16_amx_linear: the kernel refused this process AMX's tile state");
+  TORCH_CHECK(llm_kernels::amx_permitted(), "bf16_amx_linear: the kernel refused this process AMX's tile state");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_amx_linear: x [M, K] bfloat16 expected");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0), blocks = packed.size(1);
   TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous() && blocks == (K + kDepth - 1) / kDepth &&
@@ -88,7 +71,7 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const 
   auto* py = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t panel = blocks * 512;  // elements: a B tile is 16 x 32 bfloat16
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
+    llm_kernels::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float c[64][kCols];
     for (int64_t p = begin; p < end; ++p) {

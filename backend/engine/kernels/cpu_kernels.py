@@ -1,7 +1,8 @@
 """The CPU kernels of the eager PyTorch path, compiled on first use: paged attention (paged_attention.cpp), the
 fused elementwise ops around the GEMMs (fused_ops.cpp), both over cpu_math.h, the float32 GEMM of the `f32_panels`
 tactic (f32_linear.cpp), the bfloat16 AMX GEMM of `bf16_amx` (bf16_amx.cpp), the int8 GEMMs of the `quantization`
-tactics (q8_linear.cpp, q8_0_w8a8.cpp, q4_1_w4a8.cpp), and the sampler's argmax (argmax.cpp).
+tactics (q8_linear.cpp, q8_0_w8a8.cpp, q4_1_w4a8.cpp), and the sampler's argmax (argmax.cpp); AMX tiles (amx.h) in
+the GEMM and the bfloat16 prefill attention where the CPU has AMX-BF16.
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them), once, into `$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_linear.cpp", HERE / "bf16_amx.cpp",
            HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp")
-HEADERS = (HERE / "cpu_math.h",)
+HEADERS = (HERE / "cpu_math.h", HERE / "amx.h")
 REPO_ROOT = HERE.parents[2]
 _lock = threading.Lock()
 

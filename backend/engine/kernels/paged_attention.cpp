@@ -1,9 +1,11 @@
 // Paged attention for the CPU: each query reads its sequence's keys and values in place, block by
 // block through the block table. No gather into padded rows, no mask tensor: the work and the memory
 // read are those of the real context, which the gather path (models/llama.py) pays for the longest
-// sequence of the batch. Math in float32 whatever the storage dtype; softmax exact (two passes). A decode token reads
+// sequence of the batch. Math in float32 whatever the storage dtype (the AMX path's probabilities rounded to bfloat16
+// for p.v); softmax exact (two passes). A decode token reads
 // a float32 cache by attend_token, a narrow one (bfloat16, float16, int8: kv_quantization.py) by attend_token_grouped;
-// a prefill chunk's tokens go in tiles (attend_tile), any cache.
+// a prefill chunk's tokens go in tiles (attend_tile), any cache; with a bfloat16 query and cache on a CPU with AMX,
+// in AMX tiles (attend_rows_amx).
 //
 // A query of sequence s at index i of its chunk sits at position context_lens[s] - chunk + i and sees
 // keys 0..position: the cache must already hold this step's new keys and values.
@@ -15,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "cpu_math.h"
 
 namespace {
@@ -355,14 +358,120 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
   });
 }
 
+#if defined(LLM_AMX)
+// Prefill chunks of a bfloat16 model on a CPU with AMX: 16 query rows (tokens x the G heads of one KV head, as in
+// attend_tile) at a time, q.k and p.v each by TDPBF16PS on tiles. A thread packs a sequence's keys and values once per
+// KV head as B tiles (keys: 16 keys x 16 dim pairs a tile, [blocks of 16][D / 32][pair][key]; values: 16 key pairs x 16
+// dims, [blocks of 32][D / 16][key pair][dim][2]). Scores in float32, scaled and softmaxed exactly as attend_tile's;
+// the exps rounded to bfloat16 for p.v (HF's eager bfloat16 attention rounds its probabilities so), the sums divided
+// out after. Tiles: 0 the scores or, with 1-3, the output's 16-dim columns; 4 and 5 the A and B operands.
+struct AmxScratch {  // a thread's; the packed keys and values zeroed once: lanes past a sequence's keys stay finite
+  std::unique_ptr<uint16_t[]> kp, vp, p, q;  // packed keys and values; p [16][keys]; the tile's queries [16][D]
+  std::unique_ptr<float[]> scores, acc;      // [16][keys]; p.v [16][D]
+  int64_t seq = -1, kv_head = -1, have = 0;
+  AmxScratch(int64_t keys, int64_t D)
+      : kp(new uint16_t[keys * D]()), vp(new uint16_t[keys * D]()), p(new uint16_t[16 * keys]),
+        q(new uint16_t[16 * D]), scores(new float[16 * keys]), acc(new float[16 * D]) {}
+};
+
+template <int V>
+void attend_rows_amx(const c10::BFloat16* __restrict q, const c10::BFloat16* __restrict k_cache,
+                     const c10::BFloat16* __restrict v_cache, c10::BFloat16* __restrict out,
+                     const int64_t* __restrict table, int64_t seq, int64_t kh, int64_t first, int64_t tokens,
+                     int64_t n_first, const Shape& shape, AmxScratch& sc) {
+  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, DH = D / 32, DC = D / 16;
+  const int64_t BS = shape.block_size, row = KVH * D, R = tokens * G, n_max = n_first + tokens - 1;
+  const int64_t stride = (shape.max_ctx + 31) / 32 * 32;
+  if (sc.seq != seq || sc.kv_head != kh) sc.seq = seq, sc.kv_head = kh, sc.have = 0;
+  uint16_t *__restrict kp = sc.kp.get(), *__restrict vp = sc.vp.get();
+  for (int64_t j = sc.have; j < n_max; ++j) {
+    const int64_t offset = (table[j / BS] * BS + j % BS) * row + kh * D;
+    const auto* kr = reinterpret_cast<const uint16_t*>(k_cache + offset);
+    const auto* vr = reinterpret_cast<const uint16_t*>(v_cache + offset);
+    for (int64_t d = 0; d < D; d += 2)  // key j: column j % 16 of its block's tiles, a dim pair a row
+      std::memcpy(kp + (((j / 16 * DH + d / 32) * 16 + d % 32 / 2) * 16 + j % 16) * 2, kr + d, 4);
+    for (int64_t d = 0; d < D; ++d)  // value j: row (j % 32) / 2 of its block's tiles, half j % 2 of each dim's pair
+      vp[((j / 32 * DC + d / 16) * 16 + j % 32 / 2) * 32 + d % 16 * 2 + j % 2] = vr[d];
+  }
+  sc.have = std::max(sc.have, n_max);
+  const auto offset = [&](int64_t r) { return ((first + r / G) * H + kh * G + r % G) * D; };  // row r's q and out
+  uint16_t *__restrict qs = sc.q.get(), *__restrict p = sc.p.get();
+  float *__restrict scores = sc.scores.get(), *__restrict acc = sc.acc.get();
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, R - r0), n_top = n_first + (r0 + rows - 1) / G;
+    const int64_t width = (n_top + 31) / 32 * 32;  // p's columns: whole tiles of 32 keys
+    for (int64_t i = 0; i < 16; ++i)
+      if (i < rows) std::memcpy(qs + i * D, q + offset(r0 + i), D * 2);
+      else std::memset(qs + i * D, 0, D * 2);
+    for (int64_t b = 0; b < (n_top + 15) / 16; ++b) {
+      _tile_zero(0);
+      for (int64_t h = 0; h < DH; ++h) {
+        _tile_loadd(4, qs + h * 32, D * 2);
+        _tile_loadd(5, kp + (b * DH + h) * 512, 64);
+        _tile_dpbf16ps(0, 4, 5);
+      }
+      _tile_stored(0, scores + b * 16, stride * 4);
+    }
+    float inv[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      float* __restrict s = scores + i * stride;
+      const int64_t n = i < rows ? n_first + (r0 + i) / G : 0;
+      for (int64_t j = 0; j < n; j += kLanes) store(s + j, load(s + j) * shape.scale);
+      inv[i] = n ? 1.f / softmax(s, n) : 0.f;
+      std::fill(s + n, s + width, 0.f);
+      for (int64_t j = 0; j < width; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * stride + j),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j))));
+    }
+    for (int64_t c0 = 0; c0 < DC; c0 += 4) {  // 4 tiles of 16 output dims at a time
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t b = 0; b < width / 32; ++b) {
+        _tile_loadd(4, p + b * 32, stride * 2);
+        const uint16_t* v = vp + (b * DC + c0) * 512;  // accumulator tile c += p (4) x the values' tile c (5)
+        _tile_loadd(5, v, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (c0 + 1 < DC) {
+          _tile_loadd(5, v + 512, 64);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (c0 + 2 < DC) {
+          _tile_loadd(5, v + 1024, 64);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (c0 + 3 < DC) {
+          _tile_loadd(5, v + 1536, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, acc + c0 * 16, D * 4);
+      if (c0 + 1 < DC) _tile_stored(1, acc + c0 * 16 + 16, D * 4);
+      if (c0 + 2 < DC) _tile_stored(2, acc + c0 * 16 + 32, D * 4);
+      if (c0 + 3 < DC) _tile_stored(3, acc + c0 * 16 + 48, D * 4);
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int v = 0; v < V; ++v) store(out + offset(r0 + i) + v * kLanes, load(acc + i * D + v * kLanes) * inv[i]);
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, scalar_t* out,
             const int64_t* block_tables, const int64_t* query_start, const int64_t* context_lens,
             int64_t num_seqs, Shape shape) {
   for (int64_t s = 0; s < num_seqs; ++s) shape.max_ctx = std::max(shape.max_ctx, context_lens[s]);
   const int64_t HD = shape.num_heads * shape.head_dim, group = shape.num_heads / shape.num_kv_heads;
-  // chunks of 2+ tokens (prefill) in tiles of `per_tile` tokens per KV head (attend_tile); single tokens one by one
-  const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
+#if defined(LLM_AMX)
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+  const bool amx = kBf16 && shape.head_dim % 32 == 0 && amx_permitted();
+#else
+  const bool amx = false;
+#endif
+  // chunks of 2+ tokens (prefill) in tiles of `per_tile` tokens per KV head (attend_tile, or attend_rows_amx's rows
+  // of 16); single tokens one by one
+  const int64_t per_tile = std::max<int64_t>(1, (amx ? 16 : kTileRows) / group);
   struct Tile {
     int64_t seq, kv_head, first, tokens;
   };
@@ -383,16 +492,33 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     if (tile_threads)
       at::parallel_for(0, tile_threads, 1, [&](int64_t begin, int64_t end) {
         const int64_t keys = (shape.max_ctx + kKeys - 1) / kKeys * kKeys;
-        TileScratch scratch(keys, shape.head_dim, per_tile * group);
-        for (int64_t c = begin; c < end; ++c)
-          for (int64_t i = c; i < static_cast<int64_t>(tiles.size()); i += tile_threads) {
-            const Tile& tile = tiles[i];
-            const int64_t chunk = query_start[tile.seq + 1] - query_start[tile.seq];
-            const int64_t n_first = context_lens[tile.seq] - chunk + (tile.first - query_start[tile.seq]) + 1;
-            attend_tile<scalar_t, cache_t, V>(q, k_cache, v_cache, out, block_tables + tile.seq * shape.max_blocks,
-                                              tile.seq, tile.kv_head, tile.first, tile.tokens, n_first, shape,
-                                              scratch);
+        const auto each_tile = [&](auto&& attend_one) {  // attend_one(tile, n_first: the keys its first token sees)
+          for (int64_t c = begin; c < end; ++c)
+            for (int64_t i = c; i < static_cast<int64_t>(tiles.size()); i += tile_threads) {
+              const Tile& tile = tiles[i];
+              const int64_t chunk = query_start[tile.seq + 1] - query_start[tile.seq];
+              attend_one(tile, context_lens[tile.seq] - chunk + (tile.first - query_start[tile.seq]) + 1);
+            }
+        };
+#if defined(LLM_AMX)
+        if constexpr (kBf16)
+          if (amx) {
+            TileConfig config;
+            _tile_loadconfig(&config);
+            AmxScratch scratch((shape.max_ctx + 31) / 32 * 32, shape.head_dim);
+            each_tile([&](const Tile& tile, int64_t n_first) {
+              attend_rows_amx<V>(q, k_cache, v_cache, out, block_tables + tile.seq * shape.max_blocks, tile.seq,
+                                 tile.kv_head, tile.first, tile.tokens, n_first, shape, scratch);
+            });
+            _tile_release();
+            return;
           }
+#endif
+        TileScratch scratch(keys, shape.head_dim, per_tile * group);
+        each_tile([&](const Tile& tile, int64_t n_first) {
+          attend_tile<scalar_t, cache_t, V>(q, k_cache, v_cache, out, block_tables + tile.seq * shape.max_blocks,
+                                            tile.seq, tile.kv_head, tile.first, tile.tokens, n_first, shape, scratch);
+        });
       });
     // Thread c takes decodes c, c + n, c + 2n, ...
     const int64_t num_singles = singles.size();
