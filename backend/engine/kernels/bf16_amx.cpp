@@ -8,9 +8,10 @@
 // threads) took oneDNN's prepacked GEMM 12-20 ms a pass and this loop 9-12 (it prefetches the next panel into L2
 // while it computes on this one); at 48-64 rows ~10 % less; at 512, ~10 % more.
 //
-// Up to 4 row tiles (64 rows) share each loaded B tile: C tiles 0-3, A tiles 4-5, B tile 6 (amx.h's config). Each product of two
-// bfloat16 values is exact in float32 and summed in float32 (TDPBF16PS flushes denormals); the sum is rounded to
-// bfloat16 once, after the bias: a float32-accumulating GEMM up to the order of sums.
+// Up to 4 row tiles (64 rows) share each loaded B tile: C tiles 0-3, A tiles 4-5, B tile 6 (amx.h's config). Each
+// product of two bfloat16 values is exact in float32 and summed in float32 (TDPBF16PS flushes denormals); the sum is
+// rounded to bfloat16 once, after the bias (float32, as runners/gemm.py passes it): a float32-accumulating GEMM up to
+// the order of sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -135,7 +135,8 @@ def _bf16_amx(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
 
     cpu_kernels.load()
     packed, rows = torch.ops.llm_kernels.bf16_amx_pack(weight), weight.shape[0]
-    return lambda x: torch.ops.llm_kernels.bf16_amx_linear(x, packed, bias, rows)
+    b = None if bias is None else bias.float()  # once here, not at every call
+    return lambda x: torch.ops.llm_kernels.bf16_amx_linear(x, packed, b, rows)
 
 
 def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
