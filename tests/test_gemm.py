@@ -108,11 +108,18 @@ def test_bf16_amx_is_a_bfloat16_linear_at_every_row_and_panel_count(m, n, k):
                        gemm.TACTICS["bf16_amx"].prepare(w, b)(strided.contiguous()))
 
 
-def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monkeypatch):
+def test_auto_choice_is_measured_once_and_cached(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A start that timed beside other processes (a CI host's steal counts) serves uncached and says so; the test
+    starts again, a few times at most, until one timed alone has written the cache that the next start reuses."""
     monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
-    runner = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
     cache = gemm.cache_file()
-    assert cache.parent == tmp_path / "gemm" and cache.is_file()
+    for _ in range(4):
+        caplog.clear()
+        runner = TorchRunner(tiny_model_dir, "float32", 64, BLOCK_SIZE, gemm_backend="auto")
+        if cache.is_file():
+            break
+        assert "other processes used" in caplog.text and "not cached" in caplog.text
+    assert cache.parent == tmp_path / "gemm" and cache.is_file(), "never timed alone in 4 starts"
     table = json.loads(cache.read_text())
     assert {v["choice"] for v in table.values()} <= set(gemm.candidates(torch.float32, torch.device("cpu")))
     assert len(table) == len(set(runner.gemm_tactics)) and all(len(v["us_per_token"]) >= 2 for v in table.values())
