@@ -5,10 +5,10 @@ tactics (q8_linear.cpp, q8_0_w8a8.cpp, q4_1_w4a8.cpp), and the sampler's argmax 
 the GEMM and the bfloat16 prefill attention where the CPU has AMX-BF16.
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
-where the CPU has them), once, into `$LLM_KERNEL_CACHE` or `<repo>/.cache/kernels/<cpu>`; later loads take
-milliseconds. `LLM_KERNEL_MARCH` (e.g. `x86-64-v3`: AVX2 and FMA) builds for another CPU level instead, so the
-8-float AVX2 code is tested on an AVX-512 machine too (tests/test_kernels_avx2.py). Building needs a C++
-compiler and ninja (pinned in requirements.txt). The exported graph (ONNX Runtime, TensorRT) never uses them:
+where the CPU has them), once per Python environment, into `$LLM_KERNEL_CACHE` or
+`<repo>/.cache/kernels/<cpu>/<torch build>`; later loads take milliseconds. `LLM_KERNEL_MARCH` (e.g.
+`x86-64-v3`: AVX2 and FMA) builds for another CPU level instead, so the 8-float AVX2 code is tested on an AVX-512
+machine too (tests/test_kernels_avx2.py). Building needs a C++ compiler and ninja (pinned in requirements.txt). The exported graph (ONNX Runtime, TensorRT) never uses them:
 models/llama.py keeps the torch ops they replace as the reference.
 """
 
@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -50,6 +51,18 @@ def cpu_tag() -> str:
     return f"{platform.machine()}-{hashlib.sha1(cpu_flags().encode()).hexdigest()[:10]}{level}"
 
 
+def toolchain_tag() -> str:
+    """The build's torch, its headers' folder, Python's and the compiler: each Python environment builds its own
+    copy. In one folder, the Triton venv's processes and Dynamo's (torch's headers elsewhere, so another compile
+    command) rebuilt every kernel (~90 s) at each switch, and a server starting meanwhile waited for it."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    parts = [torch.__version__, sysconfig.get_paths()["include"], os.environ.get("CXX", "c++"), *include_paths()]
+    return f"torch{torch.__version__}-{hashlib.sha1(chr(0).join(parts).encode()).hexdigest()[:10]}"
+
+
 def load() -> None:
     """Compile (or load the cached build of) the kernels: registers torch.ops.llm_kernels.*."""
     from torch.utils.cpp_extension import load as build
@@ -57,8 +70,12 @@ def load() -> None:
     with _lock:
         if loaded():
             return
+        # torch runs the `ninja` found on PATH: the environment's own (pinned in requirements.txt), not a system one
+        # whose other log format made each side rebuild everything (~90 s) after the other had built
+        if (own := Path(sys.executable).parent / "ninja").is_file():
+            os.environ["PATH"] = os.pathsep.join([str(own.parent), os.environ.get("PATH", "")])
         root = Path(os.environ.get("LLM_KERNEL_CACHE") or REPO_ROOT / ".cache" / "kernels")
-        build_dir = root / cpu_tag()
+        build_dir = root / cpu_tag() / toolchain_tag()
         build_dir.mkdir(parents=True, exist_ok=True)
         # torch rebuilds when a source or a flag changes, not a header: put the header's hash in a flag
         headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
