@@ -18,8 +18,13 @@ rates, a burst sends all of its requests at once: the saturation throughput. Fin
 (LLMEngine in a fresh process, no server) runs the burst's prompt ids: saturation tok/s over offline tok/s
 is the serving overhead (an `ours@quantization=Q` system is held to the offline engine with the same Q).
 
+--rounds N runs all of that N times, the systems alternating (ours, vllm, offline, ours, vllm, offline, ...), and
+prints each ratio taken within a round (every system at saturation over vLLM's server, served over offline) as its
+median and every round's: on a VM whose speed drifts by a quarter within minutes, one run decides nothing. The
+tables and plots then show each system's median round (by saturation tok/s).
+
     python -m load_tests.bench_online [--model default|DIR] [--rates 0.5,1,2,4,8] [--num-requests 64]
-        [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--out results/online]
+        [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--rounds N] [--out results/online]
 
 Every system, the offline engine included, runs under the server's OpenMP environment: the launcher's
 defaults (GOMP_SPINCOUNT=10000) unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the serving
@@ -38,6 +43,7 @@ import os
 import platform
 import queue
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +111,7 @@ class RateResult:
     client_cpu_s: float  # ... and this harness (the load generator, on the same machine)
     ttfts: list[float] = field(default_factory=list)  # per completed request, for the CDF
     e2es: list[float] = field(default_factory=list)
+    round: int = 0  # of --rounds
 
     @property
     def tok_per_cpu_s(self) -> float:
@@ -300,13 +307,14 @@ def vllm_system(model_dir: Path, dtype: str, threads: int, timeout: float, log_p
 
 
 def run_system_rates(name: str, system: System, warmup: list[Item], workloads: dict[float, list[Item]],
-                     max_seconds: float, seed: int) -> list[RateResult]:
+                     max_seconds: float, seed: int, round_: int = 0) -> list[RateResult]:
     """Warm up, then each rate, then the burst; a progress line per run."""
     for item in warmup:
         system.send(Item(item.text, item.prompt_ids, WARMUP_TOKENS))
     results = []
     for k, (rate, items) in enumerate(workloads.items()):
         result = run_rate(name, system, items, rate, max_seconds, seed + k)
+        result.round = round_
         print(f"  {name} rate {_rate(rate)}: {result.completed}/{result.sent} done, "
               f"{result.output_tok_s} tok/s, TTFT p99 {result.latency.get('ttft_p99', math.nan):.2f} s, "
               f"{len(result.failures)} failed, load {result.loadavg_1m[0]:.1f}>{result.loadavg_1m[1]:.1f}",
@@ -333,6 +341,36 @@ def offline_system(system: str) -> str:
     """The bench_offline system an `ours@...` system's serving overhead is measured against."""
     quantization = system_settings(system).get("quantization", "none")
     return "engine" if quantization == "none" else f"engine_{quantization}"
+
+
+def round_ratios(results: list[RateResult], offline: list[dict[str, Offline]]) -> dict[str, list[float]]:
+    """Ratios taken within each round, one per round: each system's saturation tok/s over vLLM's server's, and each
+    `ours` system's over its offline engine's (the round's own run)."""
+    out: dict[str, list[float]] = {}
+    for k, own_offline in enumerate(offline):
+        bursts = {r.system: r.output_tok_s for r in results if r.round == k and r.rate == BURST}
+        for name, tok_s in bursts.items():
+            if name != "vllm" and bursts.get("vllm"):
+                out.setdefault(f"{name} over vllm", []).append(round(tok_s / bursts["vllm"], 3))
+            if name.partition("@")[0] == "ours" and (own := own_offline.get(offline_system(name))):
+                out.setdefault(f"{name} served over offline", []).append(round(tok_s / own.tok_s, 3))
+    return out
+
+
+def median_rounds(results: list[RateResult], offline: list[dict[str, Offline]]) -> tuple[list[RateResult],
+                                                                                        dict[str, Offline]]:
+    """Each system's results of its median round by saturation tok/s, and each offline system's median run (the
+    lower middle of an even count)."""
+    chosen = []
+    for name in dict.fromkeys(r.system for r in results):
+        bursts = sorted((r for r in results if r.system == name and r.rate == BURST), key=lambda r: r.output_tok_s)
+        k = bursts[(len(bursts) - 1) // 2].round if bursts else 0
+        chosen += [r for r in results if r.system == name and r.round == k]
+    medians = {}
+    for name in dict.fromkeys(n for runs in offline for n in runs):
+        runs = sorted((runs[name] for runs in offline if name in runs), key=lambda o: o.tok_s)
+        medians[name] = runs[(len(runs) - 1) // 2]
+    return chosen, medians
 
 
 def summary(results: list[RateResult], systems: list[str], rates: list[float],
@@ -397,6 +435,11 @@ def markdown(results: list[RateResult], info: dict, totals: dict) -> str:
                      f"{totals.get('served_over_offline_per_cpu_s', 'n/a')} in tok per CPU-s")
     lines += [f"- {key}: {value}" for key, value in totals.items()
               if key.startswith(("served_over_offline@", "offline_engine_"))]
+    if rounds := totals.get("rounds"):
+        lines.append(f"- Over {info['rounds']} rounds (the rows above: each system's median round), ratios within "
+                     "a round, median (each round's): " + "; ".join(
+                         f"{name} {v['median']:.3f} ({', '.join(f'{x:.3f}' for x in v['each'])})"
+                         for name, v in rounds.items()))
     failures = [(r.system, _rate(r.rate), f) for r in results for f in r.failures]
     for system, rate, message in failures[:10]:
         lines.append(f"- failure ({system}, rate {rate}): {message}")
@@ -495,6 +538,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="OMP threads of every system")
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                    help="before each system, wait up to this long for other processes to leave the CPU")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system (and the offline engine) this many times, alternating; report medians")
     p.add_argument("--out", type=Path, default=Path("results/online"))
     args = p.parse_args(argv)
     args.rates = sorted(float(r) for r in args.rates.split(","))
@@ -520,6 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     items = workloads[BURST]
     info = {"model": str(model_dir), "num_requests": len(items), "max_seconds": args.max_seconds,
             "rates": args.rates, "seed": args.seed, "threads": args.threads, "dtype": args.dtype,
+            "rounds": args.rounds,
             "omp_wait_policy": " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
                                         if k in os.environ),
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),
@@ -539,32 +585,46 @@ def main(argv: list[str] | None = None) -> None:
             "vllm": lambda: vllm_system(model_dir, args.dtype, args.threads, args.request_timeout,
                                         args.out / "vllm-serve.log"),
         }
-        for system in args.systems:
-            print(f"[{system}]", file=sys.stderr, flush=True)
-            wait_for_idle(args.wait_idle)
-            start = systems[system] if system in systems else lambda: triton_system(
-                ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint, args.request_timeout)
-            try:
-                with start() as served:
-                    results += run_system_rates(system, served, warmup, workloads, args.max_seconds,
-                                                args.seed)
-            except (RuntimeError, TimeoutError, OSError) as err:  # one system failing keeps the others
-                errors[system] = str(err)
-                print(f"  {system} failed: {err}", file=sys.stderr)
-        offline: dict[str, Offline] = {}
-        for system in [] if args.no_offline else dict.fromkeys(offline_system(s) for s in args.systems
-                                                               if s.partition("@")[0] == "ours"):
-            print(f"[offline {system}]", file=sys.stderr, flush=True)
-            if result := offline_engine(model_dir, args.dtype, args.threads, items, tmp, system):
-                offline[system] = result
+        offline: list[dict[str, Offline]] = []
+        for k in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {k + 1} of {args.rounds}", file=sys.stderr, flush=True)
+            for system in args.systems:
+                if system in errors:
+                    continue
+                print(f"[{system}]", file=sys.stderr, flush=True)
+                wait_for_idle(args.wait_idle)
+                start = systems[system] if system in systems else lambda: triton_system(
+                    ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint,
+                    args.request_timeout)
+                try:
+                    with start() as served:
+                        results += run_system_rates(system, served, warmup, workloads, args.max_seconds,
+                                                    args.seed, k)
+                except (RuntimeError, TimeoutError, OSError) as err:  # one system failing keeps the others
+                    errors[system] = str(err)
+                    print(f"  {system} failed: {err}", file=sys.stderr)
+            offline.append({})
+            for system in [] if args.no_offline else dict.fromkeys(offline_system(s) for s in args.systems
+                                                                   if s.partition("@")[0] == "ours"):
+                print(f"[offline {system}]", file=sys.stderr, flush=True)
+                if result := offline_engine(model_dir, args.dtype, args.threads, items, tmp, system):
+                    offline[k][system] = result
+                    print(f"  offline {system}: {result.tok_s} tok/s", file=sys.stderr, flush=True)
 
     done_systems = [s for s in args.systems if s not in errors]
-    totals = summary(results, done_systems, args.rates, offline)
+    per_round = round_ratios(results, offline)
+    every_round = results
+    results, median_offline = median_rounds(results, offline)
+    totals = summary(results, done_systems, args.rates, median_offline)
+    if args.rounds > 1:
+        totals["rounds"] = {name: {"median": statistics.median(v), "each": v} for name, v in per_round.items()}
     report = markdown(results, info, totals)
     print(report)
     (args.out / "online.md").write_text(report)
     data = {"info": info, "summary": totals, "errors": errors,
-            "results": [{**asdict(r), "rate": _rate(r.rate)} for r in results]}
+            "results": [{**asdict(r), "rate": _rate(r.rate)} for r in every_round],
+            "offline_rounds": [{name: asdict(o) for name, o in runs.items()} for runs in offline]}
     (args.out / "online.json").write_text(json.dumps(data, indent=2) + "\n")
     charts = plot(results, done_systems, args.rates, args.cdf_rate, args.out)
     print(f"wrote {args.out / 'online.json'}, {args.out / 'online.md'}, {', '.join(p.name for p in charts)}",

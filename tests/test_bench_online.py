@@ -1,0 +1,29 @@
+"""bench_online --rounds on a real tritonserver (the tiny Llama): every round starts the servers and the offline
+engine afresh; ratios are taken within a round, and the report's rows are each system's median round."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from load_tests import bench_online
+
+
+def test_rounds_rerun_every_system_and_report_the_ratios_median(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "online"
+    bench_online.main(["--model", str(tiny_model_dir), "--systems", "ours", "--rates", "4", "--num-requests", "3",
+                       "--rounds", "2", "--threads", "1", "--out", str(out)])
+    report = json.loads((out / "online.json").read_text())
+    runs, offline = report["results"], report["offline_rounds"]
+    assert report["errors"] == {} and report["info"]["rounds"] == 2
+    assert [(r["system"], r["rate"], r["round"]) for r in runs] == [
+        ("ours", rate, k) for k in range(2) for rate in ("4", "burst")]
+    assert all(not r["failures"] and r["completed"] == r["sent"] == 3 for r in runs)
+    bursts = [r["output_tok_s"] for r in runs if r["rate"] == "burst"]
+    served = [round(b / o["engine"]["tok_s"], 3) for b, o in zip(bursts, offline)]
+    assert report["summary"]["rounds"] == {
+        "ours served over offline": {"median": statistics.median(served), "each": served}}
+    assert report["summary"]["saturation_tok_s"] == {"ours": min(bursts)}  # the lower middle of two rounds
+    printed = capsys.readouterr().out
+    assert "Over 2 rounds" in printed and "ours served over offline" in printed
+    assert (out / "throughput.png").stat().st_size > 0
