@@ -43,15 +43,17 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import TypeVar
 
 from load_tests.machine import cpu_summary
 from load_tests.workload import Request, load_workload, make_workload, model_vocab, save_workload
 
+T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO / ".cache" / "models"
 RANDOM56M = "random56m"
@@ -536,12 +538,18 @@ def table(results: list[SystemResult], threads: int) -> str:
     return "\n".join(lines)
 
 
+def lower_median(runs: Iterable[T], key: Callable[[T], float]) -> T:
+    """The run of median `key`: the lower middle one of an even count (a run that happened, not an average)."""
+    ordered = sorted(runs, key=key)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def median_runs(results: list[SystemResult]) -> list[SystemResult]:
-    """Each (system, dtype)'s run of median tok/s (the lower middle one of an even count)."""
+    """Each (system, dtype)'s run of median tok/s."""
     runs: dict[tuple[str, str], list[SystemResult]] = {}
     for r in results:
         runs.setdefault((r.system, r.dtype), []).append(r)
-    return [sorted(rs, key=lambda r: r.output_tok_s)[(len(rs) - 1) // 2] for rs in runs.values()]
+    return [lower_median(rs, lambda r: r.output_tok_s) for rs in runs.values()]
 
 
 def plot(results: list[SystemResult], path: Path, title: str) -> None:

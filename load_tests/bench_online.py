@@ -64,7 +64,8 @@ from backend.triton.launcher import TritonServer, free_ports
 from backend.triton.repository import configure_repository
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
-from load_tests.bench_offline import VLLM_PYTHON, resolve_model, run_system, system_settings, wait_for_idle
+from load_tests.bench_offline import (VLLM_PYTHON, lower_median, resolve_model, run_system, system_settings,
+                                      wait_for_idle)
 from load_tests.server_stats import find_tritonserver, tree_cpu_seconds
 from load_tests.streams import StreamError, StreamRecord, grpc_stream, openai_sse_stream
 from load_tests.vllm_offline_runner import MAX_MODEL_LEN, cpu_env
@@ -359,18 +360,13 @@ def round_ratios(results: list[RateResult], offline: list[dict[str, Offline]]) -
 
 def median_rounds(results: list[RateResult], offline: list[dict[str, Offline]]) -> tuple[list[RateResult],
                                                                                         dict[str, Offline]]:
-    """Each system's results of its median round by saturation tok/s, and each offline system's median run (the
-    lower middle of an even count)."""
+    """Each system's results of its median round by saturation tok/s, and each offline system's median run."""
     chosen = []
     for name in dict.fromkeys(r.system for r in results):
-        bursts = sorted((r for r in results if r.system == name and r.rate == BURST), key=lambda r: r.output_tok_s)
-        k = bursts[(len(bursts) - 1) // 2].round if bursts else 0
+        k = lower_median((r for r in results if r.system == name and r.rate == BURST), lambda r: r.output_tok_s).round
         chosen += [r for r in results if r.system == name and r.round == k]
-    medians = {}
-    for name in dict.fromkeys(n for runs in offline for n in runs):
-        runs = sorted((runs[name] for runs in offline if name in runs), key=lambda o: o.tok_s)
-        medians[name] = runs[(len(runs) - 1) // 2]
-    return chosen, medians
+    return chosen, {name: lower_median((runs[name] for runs in offline if name in runs), lambda o: o.tok_s)
+                    for name in dict.fromkeys(n for runs in offline for n in runs)}
 
 
 def summary(results: list[RateResult], systems: list[str], rates: list[float],
@@ -613,20 +609,19 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"  offline {system}: {result.tok_s} tok/s", file=sys.stderr, flush=True)
 
     done_systems = [s for s in args.systems if s not in errors]
-    per_round = round_ratios(results, offline)
-    every_round = results
-    results, median_offline = median_rounds(results, offline)
-    totals = summary(results, done_systems, args.rates, median_offline)
+    shown, median_offline = median_rounds(results, offline)  # each system's median round
+    totals = summary(shown, done_systems, args.rates, median_offline)
     if args.rounds > 1:
-        totals["rounds"] = {name: {"median": statistics.median(v), "each": v} for name, v in per_round.items()}
-    report = markdown(results, info, totals)
+        totals["rounds"] = {name: {"median": statistics.median(v), "each": v}
+                            for name, v in round_ratios(results, offline).items()}
+    report = markdown(shown, info, totals)
     print(report)
     (args.out / "online.md").write_text(report)
     data = {"info": info, "summary": totals, "errors": errors,
-            "results": [{**asdict(r), "rate": _rate(r.rate)} for r in every_round],
+            "results": [{**asdict(r), "rate": _rate(r.rate)} for r in results],
             "offline_rounds": [{name: asdict(o) for name, o in runs.items()} for runs in offline]}
     (args.out / "online.json").write_text(json.dumps(data, indent=2) + "\n")
-    charts = plot(results, done_systems, args.rates, args.cdf_rate, args.out)
+    charts = plot(shown, done_systems, args.rates, args.cdf_rate, args.out)
     print(f"wrote {args.out / 'online.json'}, {args.out / 'online.md'}, {', '.join(p.name for p in charts)}",
           file=sys.stderr)
 

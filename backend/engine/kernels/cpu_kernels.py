@@ -8,8 +8,9 @@ They are built with the machine's own compiler for the machine's own CPU (-march
 where the CPU has them), once per Python environment, into `$LLM_KERNEL_CACHE` or
 `<repo>/.cache/kernels/<cpu>/<torch build>`; later loads take milliseconds. `LLM_KERNEL_MARCH` (e.g.
 `x86-64-v3`: AVX2 and FMA) builds for another CPU level instead, so the 8-float AVX2 code is tested on an AVX-512
-machine too (tests/test_kernels_avx2.py). Building needs a C++ compiler and ninja (pinned in requirements.txt). The exported graph (ONNX Runtime, TensorRT) never uses them:
-models/llama.py keeps the torch ops they replace as the reference.
+machine too (tests/test_kernels_avx2.py). Building needs a C++ compiler and ninja (pinned in requirements.txt).
+The exported graph (ONNX Runtime, TensorRT) never uses them: models/llama.py keeps the torch ops they replace as
+the reference.
 """
 
 from __future__ import annotations
