@@ -75,3 +75,20 @@ def test_kernel_rejects_mismatched_dtypes():
     idx = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="in q's dtype or int8"):
         cpu_kernels.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_rows_is_index_copy(dtype):
+    """The step's new K/V rows, read from their places in the qkv output (rows strided), go where index_copy_ puts
+    them, in both caches; a slot outside the cache is refused."""
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (H + 2 * KVH) * D, generator=gen).to(dtype)
+    k, v = (qkv[:, (H + i * KVH) * D:(H + (i + 1) * KVH) * D].view(5, KVH, D) for i in (0, 1))
+    slots = torch.tensor([9, 0, 31, 4, 17])
+    caches = [torch.randn(8, BLOCK, KVH, D, generator=gen).to(dtype) for _ in range(2)]
+    expected = [c.clone().view(-1, KVH, D).index_copy_(0, slots, x).view_as(c) for c, x in zip(caches, (k, v))]
+    torch.ops.llm_kernels.write_rows(k, v, *caches, slots)
+    assert all(torch.equal(got, want) for got, want in zip(caches, expected))
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
+        torch.ops.llm_kernels.write_rows(k, v, *caches, torch.tensor([9, 0, 32, 4, 17]))

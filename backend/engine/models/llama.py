@@ -274,8 +274,7 @@ class KernelLayout:
             torch.ops.llm_kernels.write_int8_rows(k, cache_k, self.slot_mapping)
             torch.ops.llm_kernels.write_int8_rows(v, cache_v, self.slot_mapping)
         else:
-            cache_k.view(-1, KVH, D).index_copy_(0, self.slot_mapping, k)
-            cache_v.view(-1, KVH, D).index_copy_(0, self.slot_mapping, v)
+            torch.ops.llm_kernels.write_rows(k, v, cache_k, cache_v, self.slot_mapping)
         out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
                               D ** -0.5)
         return out.view(q.shape[0], cfg.num_heads * D)
