@@ -71,9 +71,11 @@ def test_each_tactic_forced_matches_hf_within_tolerance(tiny_model_dir, hf_refer
         assert (diff <= 2 * hf_own + 0.05).all(), (diff, hf_own)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 64, 32), (5, 100, 96), (6, 16, 7), (13, 960, 576), (40, 130, 33), (70, 200, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 32), (5, 100, 96), (6, 16, 7), (13, 960, 576), (40, 130, 33), (70, 200, 64),
+                                   (301, 200, 600)])
 def test_f32_panels_is_a_float32_linear_at_every_row_and_panel_count(m, n, k):
-    """Rows past whole microkernels (6), a last panel narrower than the others, any in_features; with a bias and a
+    """Rows past whole microkernels (6), a last panel narrower than the others, any in_features, an x of more than
+    512 KB (taken in parts of rows, the last one ending in a partial microkernel); with a bias and a
     bfloat16 model (float32 math on a float32 copy, rounded once), through the tactic as the runner prepares it."""
     torch.manual_seed(m * n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
