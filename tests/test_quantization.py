@@ -116,6 +116,23 @@ def test_q4_1_w4a8_is_exact_math_on_its_rounding(m, n, k):
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("tactic, type_name", [("q8_0_w8a8", "Q8_0"), ("q8_0_w8a8", "Q5_1"), ("q4_1_w4a8", "Q4_1"),
+                                               ("q4_1_w4a8", "IQ4_NL")])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tactic, type_name):
+    """Each row of 45 at once equals that row alone, bit for bit. With AMX-INT8 (kernels/q8_0_w8a8.cpp and
+    q4_1_w4a8.cpp) the first 32 rows go in tiles of 16, the last 13 through the VNNI microkernel, and one row alone
+    through the microkernel: the two paths give the same float32 sums. A CPU without VNNI refuses q8_0_w8a8 by name."""
+    if (why := gemm.why_not(tactic, torch.float32)) is not None:
+        assert tactic == "q8_0_w8a8" and "needs AVX512-VNNI" in why
+        return
+    rng = np.random.default_rng(7)
+    n, k = 577, 512
+    blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
+    x = torch.from_numpy(rng.standard_normal((45, k), dtype=np.float32))
+    run = gemm.TACTICS[tactic].prepare(blocks, None)
+    assert torch.equal(run(x), torch.cat([run(x[i:i + 1]) for i in range(45)]))
+
+
 @pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])
 @pytest.mark.parametrize("m, n, k", [(1, 960, 1536), (13, 49, 256), (64, 577, 512)])
 def test_q4_1_w4a8_serves_iq4_blocks_through_their_table(type_name, m, n, k):

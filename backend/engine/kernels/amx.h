@@ -27,5 +27,16 @@ struct alignas(64) TileConfig {
   }
 };
 
+#if defined(__AMX_INT8__)
+// The int8 GEMMs' tiles (q8_0_w8a8.cpp, q4_1_w4a8.cpp), one 32-deep block of products at a time: tile 0 holds 16 rows
+// of x's block (32 bytes each), tile 2 the block's weights (8 groups of [16 channels][4 k]), tile 4 their int32 sums.
+inline void load_int8_block_tiles() {
+  TileConfig config;
+  config.colsb[0] = 32;
+  config.rows[2] = 8;
+  _tile_loadconfig(&config);
+}
+#endif
+
 }  // namespace llm_kernels
 #endif

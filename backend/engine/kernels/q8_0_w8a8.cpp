@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "amx.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -130,6 +132,69 @@ void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M,
     }
   });
 }
+
+#if defined(LLM_AMX) && defined(__AMX_INT8__)
+// With AMX-INT8 (Intel Xeon since Sapphire Rapids), 16 rows at a time: one tile multiply (tdpbusd) takes a block's
+// 16 x 16 x 32 products, where VNNI spends 128 instructions. Per block the int32 tile goes through memory into the
+// microkernel's float work (from comp, times the scales, summed over blocks in order): the same result, bit for bit.
+// The last M % 16 rows go through the microkernel while the panel is in cache. A scale per 32 only (Q8_0; SUB 2 is a
+// GGUF K-quant's sub-block, which stays on VNNI).
+template <bool MIN>
+void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
+                int64_t N, int64_t num_panels) {
+  const int64_t nb = K / kBlock, tiles = M / 16;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    llm_kernels::load_int8_block_tiles();
+    alignas(64) int32_t c[16][kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const Panel one{all.w + p * K * kPanel, all.scales + p * nb * kPanel, MIN ? all.mins + p * nb * kPanel : nullptr,
+                      all.comp + p * nb * kPanel};
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m = t * 16;
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const int8_t* wb = one.w + b * kBlock * kPanel;
+          if (t == 0 && p + 1 < end)  // the next panel's block, as the microkernel prefetches it
+            for (int l = 0; l < kBlock * kPanel; l += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
+          _tile_loadd(0, pxq + m * K + b * kBlock, K);
+          _tile_loadd(2, wb, 4 * kPanel);
+          _tile_loadd(4, one.comp + b * kPanel, 0);  // every row starts from the block's comp
+          _tile_dpbusd(4, 0, 2);
+          _tile_stored(4, &c[0][0], 4 * kPanel);
+          const __m512 ws = _mm512_loadu_ps(one.scales + b * kPanel);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            const __m512i dot = _mm512_load_si512(&c[i][0]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(pxs[(m + i) * nb + b])),
+                                     acc[i]);
+          }
+          if constexpr (MIN) {
+            const __m512 wm = _mm512_loadu_ps(one.mins + b * kPanel);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) {
+              const float* sums = pxsum + (m + i) * 2 * nb + 2 * b;
+              acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(sums[0] + sums[1]), acc[i]);
+            }
+          }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(py + (m + i) * N + p * kPanel, mask, acc[i]);
+      }
+      int64_t m = tiles * 16;
+      for (; m + kRows <= M; m += kRows)
+        microkernel<kRows, 1, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * 2 * nb, K, one, py + m * N + p * kPanel, N,
+                                   cols, false);
+      last_rows<kRows - 1, 1, MIN>(pxq, pxs, pxsum, M, K, one, py + p * kPanel, N, cols, m);
+    }
+    _tile_release();
+  });
+}
+#endif
 #endif
 
 at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -164,6 +229,13 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
                   comp.data_ptr<int32_t>()};
   float* py = y.data_ptr<float>();
   const bool per_32 = scales.size(1) == nb;
+#if defined(LLM_AMX) && defined(__AMX_INT8__)
+  if (per_32 && M >= 16 && llm_kernels::amx_permitted()) {
+    if (with_mins) amx_panels<true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+    else amx_panels<false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+    return y;
+  }
+#endif
   if (with_mins && per_32) panels<1, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
   else if (with_mins) panels<2, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
   else if (per_32) panels<1, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
