@@ -234,9 +234,6 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
       const uint8_t* wp = w + p * nb * kPanelBytes;
       const float *dp = d + p * nb * kPanel, *mp = kTable ? nullptr : m + p * nb * kPanel;
       for (int64_t b = 0; b < nb; ++b) {
-        if (p + 1 < end)  // the next panel, while this one is widened
-          for (int l = 0; l < kPanelBytes; l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(wp + (nb + b) * kPanelBytes + l), _MM_HINT_T0);
         for (int g = 0; g < 4; ++g) {
           const __m512i v = _mm512_loadu_si512(wp + b * kPanelBytes + g * 64);
           __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -251,6 +248,9 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
+          if (t == 0 && p + 1 < end)  // the next panel's block, as the microkernel prefetches it
+            for (int l = 0; l < kPanelBytes; l += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(wp + (nb + b) * kPanelBytes + l), _MM_HINT_T0);
           _tile_loadd(0, xq + r * K + b * kBlock, K);
           _tile_loadd(2, wide.data() + b * 512, 64);
           _tile_zero(4);
