@@ -72,15 +72,25 @@ inline int32_t four_bytes(const int8_t* p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
 
+// A table's values + 128 as bytes, in each 128-bit lane: what vpdpbusd's unsigned operand looks up.
+inline __m512i biased_table(const int8_t* values) {
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))),
+                          _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// 64 packed bytes -> their low and high nibbles as bytes (with kTable, the table's biased values they index).
+template <bool kTable>
+inline void nibbles(__m512i v, __m512i table, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (kTable) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+}
+
 template <int MR, bool kTable>
 inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
                         const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
   const int64_t nb = K / kBlock;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i table = _mm512_setzero_si512();
-  if constexpr (kTable)  // values + 128 as bytes, in each 128-bit lane
-    table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))),
-                             _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512i table = kTable ? biased_table(values) : _mm512_setzero_si512();
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -94,9 +104,8 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
     for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_loadu_si512(wb + g * 64);
-      __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      if constexpr (kTable) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+      __m512i lo, hi;
+      nibbles<kTable>(_mm512_loadu_si512(wb + g * 64), table, lo, hi);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const int8_t* xb = xq + i * K + b * kBlock + 4 * g;
@@ -194,20 +203,24 @@ inline void last_rows(const int8_t* xq, const float* xd, const float* xs, int64_
   }
 }
 
+// Rows r.. of x against one panel (y: the panel's first column) by the microkernel; from row 0, it prefetches the next.
+template <bool kTable>
+inline void rows_from(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, const uint8_t* wp,
+                      const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, int64_t r) {
+  const int64_t nb = K / kBlock;
+  for (; r + kRows <= M; r += kRows)
+    microkernel<kRows, kTable>(xq + r * K, xd + r * nb, xs + r * nb, K, wp, dp, mp, values, y + r * ldy, ldy, r == 0);
+  last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y, ldy, r);
+}
+
 template <bool kTable>  // threads split the panels; y has whole panels, ldy columns
 void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
                     const uint8_t* w, const float* d, const float* m, const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* wp = w + p * nb * kPanelBytes;
-      const float *dp = d + p * nb * kPanel, *mp = kTable ? nullptr : m + p * nb * kPanel;
-      int64_t r = 0;
-      for (; r + kRows <= M; r += kRows)
-        microkernel<kRows, kTable>(xq + r * K, xd + r * nb, xs + r * nb, K, wp, dp, mp, values,
-                                   y + r * ldy + p * kPanel, ldy, r == 0);
-      last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y + p * kPanel, ldy, r);
-    }
+    for (int64_t p = begin; p < end; ++p)
+      rows_from<kTable>(xq, xd, xs, M, K, w + p * nb * kPanelBytes, d + p * nb * kPanel,
+                        kTable ? nullptr : m + p * nb * kPanel, values, y + p * kPanel, ldy, 0);
   });
 }
 
@@ -225,19 +238,14 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
     llm_kernels::load_int8_block_tiles();
     alignas(64) int32_t c[16][kPanel];
     std::vector<uint8_t> wide(nb * kBlock * kPanel);  // a panel's weights, a byte each
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512i table = _mm512_setzero_si512();
-    if constexpr (kTable)  // values + 128 as bytes, in each 128-bit lane (as the microkernel)
-      table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))),
-                               _mm512_set1_epi8(static_cast<char>(0x80)));
+    const __m512i table = kTable ? biased_table(values) : _mm512_setzero_si512();
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* wp = w + p * nb * kPanelBytes;
       const float *dp = d + p * nb * kPanel, *mp = kTable ? nullptr : m + p * nb * kPanel;
       for (int64_t b = 0; b < nb; ++b) {
         for (int g = 0; g < 4; ++g) {
-          const __m512i v = _mm512_loadu_si512(wp + b * kPanelBytes + g * 64);
-          __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          if constexpr (kTable) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+          __m512i lo, hi;
+          nibbles<kTable>(_mm512_loadu_si512(wp + b * kPanelBytes + g * 64), table, lo, hi);
           _mm512_storeu_si512(wide.data() + b * 512 + g * 64, lo);
           _mm512_storeu_si512(wide.data() + b * 512 + (4 + g) * 64, hi);
         }
@@ -268,11 +276,7 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + (r + i) * ldy + p * kPanel, acc[i]);
       }
-      int64_t r = tiles * 16;
-      for (; r + kRows <= M; r += kRows)
-        microkernel<kRows, kTable>(xq + r * K, xd + r * nb, xs + r * nb, K, wp, dp, mp, values,
-                                   y + r * ldy + p * kPanel, ldy, false);
-      last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y + p * kPanel, ldy, r);
+      rows_from<kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y + p * kPanel, ldy, tiles * 16);
     }
     _tile_release();
   });

@@ -51,6 +51,12 @@ struct Panel {
   const float* scales;
   const float* mins;  // w ~ q * scale + min (GGUF Q5_1, Q5_K, Q2_K), as the scales: min * sum(x) joins the sum
   const int32_t* comp;
+
+  // Panel p of these (all panels'), for K input features and `sub` weight scales per 32 values along K.
+  Panel nth(int64_t p, int64_t K, int64_t sub) const {
+    const int64_t per_panel = K / kBlock * sub * kPanel;
+    return {w + p * K * kPanel, scales + p * per_panel, mins ? mins + p * per_panel : nullptr, comp + p * per_panel};
+  }
 };
 
 template <int MR, int SUB, bool MIN>
@@ -114,22 +120,24 @@ inline void last_rows(const uint8_t* xq, const float* xs, const float* xsum, int
   }
 }
 
+// Rows m.. of x against one panel (y: the panel's first column) by the microkernel; from row 0, it prefetches the next.
+template <int SUB, bool MIN>
+inline void rows_from(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel one,
+                      float* y, int64_t N, int64_t cols, int64_t m) {
+  const int64_t nb = K / kBlock;
+  for (; m + kRows <= M; m += kRows)
+    microkernel<kRows, SUB, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * 2 * nb, K, one, y + m * N, N, cols, m == 0);
+  last_rows<kRows - 1, SUB, MIN>(pxq, pxs, pxsum, M, K, one, y, N, cols, m);
+}
+
 // Every panel against every row of x; SUB weight scales per 32 values along K, and with MIN as many mins.
 template <int SUB, bool MIN>
 void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
             int64_t N, int64_t num_panels) {
-  const int64_t nb = K / kBlock;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
-    for (int64_t p = begin; p < end; ++p) {
-      const Panel one{all.w + p * K * kPanel, all.scales + p * nb * SUB * kPanel,
-                      MIN ? all.mins + p * nb * SUB * kPanel : nullptr, all.comp + p * nb * SUB * kPanel};
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows)
-        microkernel<kRows, SUB, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * 2 * nb, K, one, py + m * N + p * kPanel,
-                                     N, cols, m == 0);
-      last_rows<kRows - 1, SUB, MIN>(pxq, pxs, pxsum, M, K, one, py + p * kPanel, N, cols, m);
-    }
+    for (int64_t p = begin; p < end; ++p)
+      rows_from<SUB, MIN>(pxq, pxs, pxsum, M, K, all.nth(p, K, SUB), py + p * kPanel, N,
+                          std::min(kPanel, N - p * kPanel), 0);
   });
 }
 
@@ -147,8 +155,7 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
     llm_kernels::load_int8_block_tiles();
     alignas(64) int32_t c[16][kPanel];
     for (int64_t p = begin; p < end; ++p) {
-      const Panel one{all.w + p * K * kPanel, all.scales + p * nb * kPanel, MIN ? all.mins + p * nb * kPanel : nullptr,
-                      all.comp + p * nb * kPanel};
+      const Panel one = all.nth(p, K, 1);
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
       for (int64_t t = 0; t < tiles; ++t) {
@@ -185,11 +192,7 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(py + (m + i) * N + p * kPanel, mask, acc[i]);
       }
-      int64_t m = tiles * 16;
-      for (; m + kRows <= M; m += kRows)
-        microkernel<kRows, 1, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * 2 * nb, K, one, py + m * N + p * kPanel, N,
-                                   cols, false);
-      last_rows<kRows - 1, 1, MIN>(pxq, pxs, pxsum, M, K, one, py + p * kPanel, N, cols, m);
+      rows_from<1, MIN>(pxq, pxs, pxsum, M, K, one, py + p * kPanel, N, cols, tiles * 16);
     }
     _tile_release();
   });
