@@ -20,10 +20,16 @@ H, KVH, D, BLOCK = 6, 2, 16, 4
 CFG = ModelConfig("llama", 100, H * D, 4 * H * D, 1, H, KVH, D, 4096, 1e-5, True, False, ())
 
 
-def scheduled_batch(rng: np.random.Generator, num_blocks: int) -> list[tuple[Sequence, int]]:
+MIXED = [(40, 1), (7, 1), (1, 1), (33, 33), (12 + 29, 29), (3 * BLOCK + 5, 5), (3 * BLOCK + 1, 1), (90, 17)]
+# decodes longer than the float32 kernel's segment (336 keys of SmolLM2's rows: paged_attention.cpp kSegmentBytes),
+# odd and even, ending mid-block and on a segment's edge
+LONG_DECODES = [(1001, 1), (672, 1), (337, 1), (16, 1)]
+
+
+def scheduled_batch(rng: np.random.Generator, num_blocks: int,
+                    cases: list[tuple[int, int]] = MIXED) -> list[tuple[Sequence, int]]:
     """(sequence, new tokens) pairs: context already cached + the new tokens of this step."""
     shared = rng.choice(num_blocks, 3, replace=False).tolist()  # a common prefix of 3 full blocks
-    cases = [(40, 1), (7, 1), (1, 1), (33, 33), (12 + 29, 29), (3 * BLOCK + 5, 5), (3 * BLOCK + 1, 1), (90, 17)]
     free = [b for b in rng.permutation(num_blocks).tolist() if b not in shared]
     batch = []
     for i, (total, new) in enumerate(cases):
@@ -41,12 +47,20 @@ def scheduled_batch(rng: np.random.Generator, num_blocks: int) -> list[tuple[Seq
                                                (torch.float16, 3e-3, False), (torch.float32, 2e-5, True),
                                                (torch.bfloat16, 3e-2, True)])
 def test_kernel_equals_gather(dtype, tol, kv_int8, heads):
+    check_kernel_equals_gather(dtype, tol, kv_int8, heads, MIXED, 64)
+
+
+def test_long_decodes_read_in_segments_equal_gather():
+    check_kernel_equals_gather(torch.float32, 2e-5, False, (9, 3, 64), LONG_DECODES, 600)
+
+
+def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, heads: tuple[int, int, int],
+                               cases: list[tuple[int, int]], num_blocks: int) -> None:
     H, KVH, D = heads
     CFG = ModelConfig("llama", 100, H * D, 4 * H * D, 1, H, KVH, D, 4096, 1e-5, True, False, ())
     cpu_kernels.load()
     rng = np.random.default_rng(0)
-    num_blocks = 64
-    batch = build_model_input(scheduled_batch(rng, num_blocks), BLOCK, q_tile=8)
+    batch = build_model_input(scheduled_batch(rng, num_blocks, cases), BLOCK, q_tile=8)
     gen = torch.Generator().manual_seed(0)
     T = batch.num_tokens
     q, k, v = (torch.randn(T, n, D, generator=gen).to(dtype) for n in (H, KVH, KVH))
