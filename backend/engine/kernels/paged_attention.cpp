@@ -108,7 +108,8 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
         for (int r = 0; r < kStreams; ++r)
           if (e < len[r]) t += load(p[r] + e);
     }
-    asm volatile("" : : "v"(t));
+    volatile float sink = sum(t);  // the loads are for their side effect: keep them (portably: no asm)
+    (void)sink;
   };
 
   for (int64_t s0 = 0; s0 < n; s0 += segment) {
