@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -82,13 +83,14 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const 
   const float* pb = bias ? b.data_ptr<float>() : nullptr;
   auto* py = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t panel = blocks * 512;  // elements: a B tile is 16 x 32 bfloat16
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float c[64][kCols];
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = queue.take(thread), taken; p >= 0; p = taken) {
+      taken = queue.take(thread);  // the next panel, prefetched meanwhile
       const uint16_t* wp = pw + p * panel;
-      const uint16_t* next = p + 1 < end ? wp + panel : nullptr;
+      const uint16_t* next = taken >= 0 ? pw + taken * panel : nullptr;
       const int64_t cols = std::min(kCols, N - p * kCols);
       for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
         const int64_t tiles = std::min<int64_t>(4, (Mp - m0) / 16);

@@ -19,6 +19,8 @@
 
 #include <algorithm>
 
+#include "work_queue.h"
+
 namespace {
 
 #ifdef __AVX512F__
@@ -114,21 +116,22 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   const float* px = x.data_ptr<float>();
   const float* pw = packed.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  // Threads split the panels (each reads its share of W once per part of x). While a thread computes on a panel, it
-  // prefetches the next one, a share with each kRows rows: all of it with the first rows asked for more than one
-  // core's share of DRAM bandwidth while they lasted, and decode-sized GEMMs (16-64 rows) ran 12-25 % slower.
-  // A prefill chunk's x (512 rows: 1.2 MB at K = 576, 3.1 MB at 1536) would leave L2 between panels: it is taken in
-  // parts of at most kPartBytes, each against all of the thread's panels (a pass at 512 rows 1.05-1.10x faster).
+  // Threads split the panels (each reads its share of W once per part of x), and one that is done takes another's
+  // last panels (work_queue.h). While a thread computes on a panel, it prefetches the one it takes next, a share with
+  // each kRows rows: all of it with the first rows asked for more than one core's share of DRAM bandwidth while they
+  // lasted, and decode-sized GEMMs (16-64 rows) ran 12-25 % slower. A prefill chunk's x (512 rows: 1.2 MB at K = 576,
+  // 3.1 MB at 1536) would leave L2 between panels: it is taken in parts of at most kPartBytes, each against all of the
+  // panels (a pass at 512 rows 1.05-1.10x faster).
   const int64_t parts = std::max<int64_t>(1, (M * K * 4 + kPartBytes - 1) / kPartBytes);
   const int64_t part_rows = ((M + parts - 1) / parts + kRows - 1) / kRows * kRows;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += part_rows) {
-      const int64_t m1 = std::min(M, m0 + part_rows), blocks = (m1 - m0 + kRows - 1) / kRows;
-      for (int64_t p = begin; p < end; ++p) {
+  for (int64_t m0 = 0; m0 < M; m0 += part_rows) {
+    const int64_t m1 = std::min(M, m0 + part_rows), blocks = (m1 - m0 + kRows - 1) / kRows;
+    llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t t) {
+      for (int64_t p = queue.take(t), next; p >= 0; p = next) {
+        next = queue.take(t);
         const float* wp = pw + p * K * kPanel;
-        const float* next = p + 1 < end ? wp + K * kPanel : pw + begin * K * kPanel;  // or the next part's first
-        const int64_t cols = std::min(kPanel, N - p * kPanel), lines = p + 1 < end || m1 < M ? K * kPanel / 16 : 0;
-        const char* pf = reinterpret_cast<const char*>(next);
+        const int64_t cols = std::min(kPanel, N - p * kPanel), lines = next >= 0 ? K * kPanel / 16 : 0;
+        const char* pf = reinterpret_cast<const char*>(pw + std::max<int64_t>(next, 0) * K * kPanel);
         int64_t m = m0;
         for (int64_t b = 0; m + kRows <= m1; ++b, m += kRows) {
           const int64_t from = lines * b / blocks, to = lines * (b + 1) / blocks;
@@ -137,8 +140,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
         const int64_t from = lines * (blocks - 1) / blocks;  // the last rows of a part, if fewer than kRows
         rows<kRows - 1>(px, m1, K, wp, py + p * kPanel, N, cols, m, pf + 64 * from, lines - from);
       }
-    }
-  });
+    });
+  }
   return y;
 }
 

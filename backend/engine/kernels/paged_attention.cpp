@@ -20,6 +20,7 @@
 
 #include "amx.h"
 #include "cpu_math.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -572,31 +573,26 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
                                             tile.seq, tile.kv_head, tile.first, tile.tokens, n_first, shape, scratch);
         });
       });
-    // Thread c takes decodes c, c + n, c + 2n, ...
-    const int64_t num_singles = singles.size();
-    const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_singles);
-    if (num_threads)
-      at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-        // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
-        // attend_token keeps every head's scores, two p.v chains and 1 / its sum
-        constexpr bool kFloat = std::is_same_v<cache_t, float>;
-        const int64_t H = shape.num_heads, G = H / shape.num_kv_heads, D = shape.head_dim;
-        std::vector<float> scores((kFloat ? H : G) * shape.max_ctx), rows(kFloat ? 0 : 16 * D),
-            acc(kFloat ? (2 * D + 1) * H : G * D);
-        std::vector<int64_t> offsets(shape.max_ctx);
-        for (int64_t c = begin; c < end; ++c) {
-          for (int64_t i = c; i < num_singles; i += num_threads) {
-            const int64_t s = singles[i], t = query_start[s], n = context_lens[s];  // n: its visible keys
-            const int64_t* table = block_tables + s * shape.max_blocks;
-            if constexpr (!std::is_same_v<cache_t, float>)
-              attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
-                                                         scores.data(), offsets.data(), rows.data(), acc.data());
-            else
-              attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
-                                        offsets.data(), acc.data());
-          }
-        }
-      });
+    // The decodes in shares, one that is done taking another's last (work_queue.h)
+    llm_kernels::parallel_take(singles.size(), [&](llm_kernels::WorkQueue& queue, int64_t thread) {
+      // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
+      // attend_token keeps every head's scores, two p.v chains and 1 / its sum
+      constexpr bool kFloat = std::is_same_v<cache_t, float>;
+      const int64_t H = shape.num_heads, G = H / shape.num_kv_heads, D = shape.head_dim;
+      std::vector<float> scores((kFloat ? H : G) * shape.max_ctx), rows(kFloat ? 0 : 16 * D),
+          acc(kFloat ? (2 * D + 1) * H : G * D);
+      std::vector<int64_t> offsets(shape.max_ctx);
+      for (int64_t i; (i = queue.take(thread)) >= 0;) {
+        const int64_t s = singles[i], t = query_start[s], n = context_lens[s];  // n: its visible keys
+        const int64_t* table = block_tables + s * shape.max_blocks;
+        if constexpr (!std::is_same_v<cache_t, float>)
+          attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
+                                                     scores.data(), offsets.data(), rows.data(), acc.data());
+        else
+          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
+                                    offsets.data(), acc.data());
+      }
+    });
   };
   switch (shape.head_dim / kLanes) {
     case 1: token(std::integral_constant<int, 1>{}); break;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -213,12 +214,12 @@ inline void rows_from(const int8_t* xq, const float* xd, const float* xs, int64_
   last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y, ldy, r);
 }
 
-template <bool kTable>  // threads split the panels; y has whole panels, ldy columns
+template <bool kTable>  // threads split the panels (work_queue.h); y has whole panels, ldy columns
 void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
                     const uint8_t* w, const float* d, const float* m, const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+  llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t t) {
+    for (int64_t p; (p = queue.take(t)) >= 0;)
       rows_from<kTable>(xq, xd, xs, M, K, w + p * nb * kPanelBytes, d + p * nb * kPanel,
                         kTable ? nullptr : m + p * nb * kPanel, values, y + p * kPanel, ldy, 0);
   });
@@ -234,12 +235,13 @@ template <bool kTable>
 void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
                 const uint8_t* w, const float* d, const float* m, const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock, tiles = M / 16;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::load_int8_block_tiles();
     alignas(64) int32_t c[16][kPanel];
     std::vector<uint8_t> wide(nb * kBlock * kPanel);  // a panel's weights, a byte each
     const __m512i table = kTable ? biased_table(values) : _mm512_setzero_si512();
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = queue.take(thread), next; p >= 0; p = next) {
+      next = queue.take(thread);
       const uint8_t* wp = w + p * nb * kPanelBytes;
       const float *dp = d + p * nb * kPanel, *mp = kTable ? nullptr : m + p * nb * kPanel;
       for (int64_t b = 0; b < nb; ++b) {
@@ -256,7 +258,7 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
-          if (t == 0 && p + 1 < end)  // the next panel's block, as the microkernel prefetches it
+          if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
             for (int l = 0; l < kPanelBytes; l += 64)
               _mm_prefetch(reinterpret_cast<const char*>(wp + (nb + b) * kPanelBytes + l), _MM_HINT_T0);
           _tile_loadd(0, xq + r * K + b * kBlock, K);

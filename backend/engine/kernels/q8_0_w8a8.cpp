@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "amx.h"
+#include "work_queue.h"
 
 namespace {
 
@@ -134,8 +135,8 @@ inline void rows_from(const uint8_t* pxq, const float* pxs, const float* pxsum, 
 template <int SUB, bool MIN>
 void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
             int64_t N, int64_t num_panels) {
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {  // threads split the panels
-    for (int64_t p = begin; p < end; ++p)
+  llm_kernels::parallel_take(num_panels, [&](llm_kernels::WorkQueue& queue, int64_t t) {  // shares of the panels
+    for (int64_t p; (p = queue.take(t)) >= 0;)
       rows_from<SUB, MIN>(pxq, pxs, pxsum, M, K, all.nth(p, K, SUB), py + p * kPanel, N,
                           std::min(kPanel, N - p * kPanel), 0);
   });
@@ -151,10 +152,11 @@ template <bool MIN>
 void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
                 int64_t N, int64_t num_panels) {
   const int64_t nb = K / kBlock, tiles = M / 16;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  llm_kernels::parallel_take(num_panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::load_int8_block_tiles();
     alignas(64) int32_t c[16][kPanel];
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = queue.take(thread), next; p >= 0; p = next) {
+      next = queue.take(thread);
       const Panel one = all.nth(p, K, 1);
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
@@ -165,7 +167,7 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
           const int8_t* wb = one.w + b * kBlock * kPanel;
-          if (t == 0 && p + 1 < end)  // the next panel's block, as the microkernel prefetches it
+          if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
             for (int l = 0; l < kBlock * kPanel; l += 64)
               _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
           _tile_loadd(0, pxq + m * K + b * kBlock, K);

@@ -22,6 +22,8 @@
 
 #include <algorithm>
 
+#include "work_queue.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;  // output channels per panel
@@ -161,9 +163,9 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int8_t* pw = packed.data_ptr<int8_t>();
   const float* ps = packed_scales.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  // Threads split the panels (each reads its share of W once).
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
+  // Threads split the panels (each reads its share of W once; work_queue.h).
+  llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t t) {
+    for (int64_t p; (p = queue.take(t)) >= 0;)
       run(px, M, K, pw + p * K * kPanel, ps + p * nb * kPanel, with_mins ? pm + p * nb * kPanel : nullptr,
           py + p * kPanel, N, std::min(kPanel, N - p * kPanel));
   });
