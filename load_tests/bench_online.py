@@ -3,7 +3,9 @@ too, and optionally vLLM's OpenAI server, on one model and one workload.
 
 Systems, one at a time (each alone on the CPU):
   ours    tritonserver on model_repository (--endpoint llm, the default: text in one hop; llm_bls or the ensemble),
-          default settings
+          default settings; its clients stream over tritonclient gRPC (--protocol grpc, the default) or Triton's
+          HTTP generate_stream (--protocol http: server-sent events, as vLLM's clients are; tritonclient's Python
+          gRPC stream took ~4x the client CPU per token, 0.08-0.09 of a CPU at saturation against 0.02)
   static  tritonserver serving load_tests/static_hf: HF `generate` on batches of up to 8 formed from the
           requests that have arrived (load_tests/static_batcher.py); same client, same streaming path
   vllm    (--vllm) vLLM's OpenAI server from .venv-vllm (load_tests/vllm_env.sh), /v1/completions with
@@ -24,7 +26,8 @@ median and every round's: on a VM whose speed drifts by a quarter within minutes
 tables and plots then show each system's median round (by saturation tok/s).
 
     python -m load_tests.bench_online [--model default|DIR] [--rates 0.5,1,2,4,8] [--num-requests 64]
-        [--max-seconds 120] [--systems ours,static] [--vllm] [--threads 2] [--rounds N] [--out results/online]
+        [--max-seconds 120] [--systems ours,static] [--protocol grpc|http] [--vllm] [--threads 2] [--rounds N]
+        [--out results/online]
 
 Every system, the offline engine included, runs under the server's OpenMP environment: the launcher's
 defaults (GOMP_SPINCOUNT=10000) unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the serving
@@ -67,7 +70,7 @@ from client.client import LLMClient
 from load_tests.bench_offline import (VLLM_PYTHON, lower_median, resolve_model, run_system, system_settings,
                                       wait_for_idle)
 from load_tests.server_stats import find_tritonserver, tree_cpu_seconds
-from load_tests.streams import StreamError, StreamRecord, grpc_stream, openai_sse_stream
+from load_tests.streams import StreamError, StreamRecord, grpc_stream, openai_sse_stream, triton_sse_stream
 from load_tests.vllm_offline_runner import MAX_MODEL_LEN, cpu_env
 from load_tests.machine import cpu_summary
 from load_tests.workload import Request, make_workload, model_vocab, save_workload
@@ -233,13 +236,29 @@ class ClientPool:
             client.close()
 
 
+class SessionPool:
+    """An HTTP session per client thread, for Triton's generate_stream."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self._local = threading.local()
+
+    def send(self, item: Item, timeout: float) -> StreamRecord:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return triton_sse_stream(self._local.session, self.url, self.model, item.text, item.max_tokens,
+                                 ignore_eos=True, timeout=timeout)
+
+    def close(self) -> None: ...
+
+
 @contextmanager
-def triton_system(repo: Path, model: str, timeout: float) -> Iterator[System]:
+def triton_system(repo: Path, model: str, timeout: float, protocol: str = "grpc") -> Iterator[System]:
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0,
                       extra_args=["--disable-auto-complete-config"]) as server:
         pid = find_tritonserver(server.grpc_port)
         assert pid is not None, "the server just started is not in /proc"
-        pool = ClientPool(server.url_grpc, model)
+        pool = ClientPool(server.url_grpc, model) if protocol == "grpc" else SessionPool(server.url_http, model)
         try:
             yield System(lambda item: pool.send(item, timeout), lambda: tree_cpu_seconds(pid))
         finally:
@@ -403,7 +422,8 @@ def markdown(results: list[RateResult], info: dict, totals: dict) -> str:
              f"{info['num_requests']} requests per rate (Poisson arrivals, at most {info['max_seconds']:g} s "
              f"of arrivals; new random prompts each run; the burst's: {info['prompt_tokens']} prompt and "
              f"{info['output_tokens']} output tokens), greedy, EOS ignored; {info['threads']} threads, "
-             f"{info['omp_wait_policy']}; {info['machine']}. Latencies in ms.", "",
+             f"{info['omp_wait_policy']}; ours streamed over {info['protocol']}; {info['machine']}. Latencies in ms.",
+             "",
              "| system | rate req/s | sent | done | failed | achieved req/s | out tok/s | tok/CPU-s "
              "| TTFT p50 | TTFT p99 | SLO | ITL p50 | ITL p99 | TPOT p50 | E2E p50 | E2E p99 | load 1m |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -526,6 +546,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(config.pbtxt parameters), e.g. ours@stream_interval=4")
     p.add_argument("--endpoint", default="llm", choices=["llm", "llm_bls", "ensemble"],
                    help="our model clients call")
+    p.add_argument("--protocol", default="grpc", choices=["grpc", "http"],
+                   help="how clients stream from ours: tritonclient gRPC, or Triton's HTTP generate_stream (SSE)")
     p.add_argument("--vllm", action="store_true", help="also vLLM CPU from .venv-vllm")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine run")
     p.add_argument("--cdf-rate", type=float,
@@ -561,7 +583,7 @@ def main(argv: list[str] | None = None) -> None:
     items = workloads[BURST]
     info = {"model": str(model_dir), "num_requests": len(items), "max_seconds": args.max_seconds,
             "rates": args.rates, "seed": args.seed, "threads": args.threads, "dtype": args.dtype,
-            "rounds": args.rounds,
+            "rounds": args.rounds, "protocol": args.protocol,
             "omp_wait_policy": " ".join(f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
                                         if k in os.environ),
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),
@@ -575,7 +597,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         systems = {
-            "ours": lambda: triton_system(ours_repository(tmp, model_dir), args.endpoint, args.request_timeout),
+            "ours": lambda: triton_system(ours_repository(tmp, model_dir), args.endpoint, args.request_timeout,
+                                          args.protocol),
             "static": lambda: triton_system(static_repository(tmp, model_dir, args.dtype), "static_hf",
                                             args.request_timeout),
             "vllm": lambda: vllm_system(model_dir, args.dtype, args.threads, args.request_timeout,
@@ -592,7 +615,7 @@ def main(argv: list[str] | None = None) -> None:
                 wait_for_idle(args.wait_idle)
                 start = systems[system] if system in systems else lambda: triton_system(
                     ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint,
-                    args.request_timeout)
+                    args.request_timeout, args.protocol)
                 try:
                     with start() as served:
                         results += run_system_rates(system, served, warmup, workloads, args.max_seconds,

@@ -7,6 +7,7 @@ import json
 import statistics
 
 from load_tests import bench_online
+from load_tests.streams import triton_sse_stream
 
 
 def test_rounds_rerun_every_system_and_report_the_ratios_median(tiny_model_dir, tmp_path, capsys):
@@ -27,3 +28,24 @@ def test_rounds_rerun_every_system_and_report_the_ratios_median(tiny_model_dir, 
     printed = capsys.readouterr().out
     assert "Over 2 rounds" in printed and "ours served over offline" in printed
     assert (out / "throughput.png").stat().st_size > 0
+
+
+def test_http_protocol_streams_from_tritons_generate_stream(tiny_model_dir, tmp_path, monkeypatch):
+    streams = []  # each request's stream, still the real one
+
+    def counted(*args, **kwargs):
+        streams.append(args[2])
+        return triton_sse_stream(*args, **kwargs)
+
+    monkeypatch.setattr(bench_online, "triton_sse_stream", counted)
+    out = tmp_path / "online"
+    bench_online.main(["--model", str(tiny_model_dir), "--systems", "ours", "--rates", "4", "--num-requests", "3",
+                       "--protocol", "http", "--no-offline", "--threads", "1", "--out", str(out)])
+    report = json.loads((out / "online.json").read_text())
+    assert report["errors"] == {} and report["info"]["protocol"] == "http"
+    runs = report["results"]
+    assert [r["rate"] for r in runs] == ["4", "burst"]
+    assert all(not r["failures"] and r["completed"] == r["sent"] == 3 for r in runs)
+    assert all(r["output_tokens"] == report["info"]["output_tokens"] for r in runs if r["rate"] == "burst")
+    assert "ours streamed over http" in (out / "online.md").read_text()
+    assert len(streams) == 2 + 3 + 3  # the warm-up's, the rate's and the burst's requests, all over generate_stream
