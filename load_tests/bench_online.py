@@ -242,14 +242,18 @@ class SessionPool:
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
         self._local = threading.local()
+        self._all: list[requests.Session] = []
 
     def send(self, item: Item, timeout: float) -> StreamRecord:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            self._all.append(self._local.session)
         return triton_sse_stream(self._local.session, self.url, self.model, item.text, item.max_tokens,
                                  ignore_eos=True, timeout=timeout)
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        for session in self._all:
+            session.close()
 
 
 @contextmanager

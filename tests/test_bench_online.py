@@ -31,7 +31,7 @@ def test_rounds_rerun_every_system_and_report_the_ratios_median(tiny_model_dir, 
 
 
 def test_http_protocol_streams_from_tritons_generate_stream(tiny_model_dir, tmp_path, monkeypatch):
-    streams = []  # each request's stream, still the real one
+    streams = []  # the model each request streamed from; the stream itself is the real one
 
     def counted(*args, **kwargs):
         streams.append(args[2])
@@ -48,4 +48,4 @@ def test_http_protocol_streams_from_tritons_generate_stream(tiny_model_dir, tmp_
     assert all(not r["failures"] and r["completed"] == r["sent"] == 3 for r in runs)
     assert all(r["output_tokens"] == report["info"]["output_tokens"] for r in runs if r["rate"] == "burst")
     assert "ours streamed over http" in (out / "online.md").read_text()
-    assert len(streams) == 2 + 3 + 3  # the warm-up's, the rate's and the burst's requests, all over generate_stream
+    assert streams == ["llm"] * (2 + 3 + 3)  # the warm-up's, the rate's and the burst's requests, all over generate_stream
