@@ -22,7 +22,7 @@ keys at positions 0..C-1, C = blocks per row * block_size. A query at position p
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_quantization import as_stored, dequantize
 from backend.engine.models.weight_blocks import Weight, shape_of
 
@@ -228,10 +229,11 @@ class DecoderLayer(nn.Module):
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         def linear(name: str, inputs: torch.Tensor) -> torch.Tensor:
-            out = getattr(self, name)(inputs)
+            module = getattr(self, name)  # a tactic's GEMM called as is: not through nn.Module's call (~2 us each)
+            out = module(inputs) if module.gemm is None else module.gemm(inputs)
             return out if lora is None else lora.add(index, name, inputs, out)
 
-        q, k, v = linear("qkv_proj", h).split([H * D, KVH * D, KVH * D], dim=-1)
+        q, k, v = linear("qkv_proj", h).split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
         q, k = ops.rotary(q.view(T, H, D), k.view(T, KVH, D), cos, sin)
         v = v.view(T, KVH, D)
         attn = rows.attend(q, k, v, layer_cache_k, layer_cache_v, cfg)
@@ -267,16 +269,14 @@ class KernelLayout:
     ops = KernelOps
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
-        from backend.engine.kernels.cpu_kernels import paged_attention
-
-        KVH, D = cfg.num_kv_heads, cfg.head_dim
+        D = cfg.head_dim
         if cache_k.dtype == torch.int8:  # rounded as kv_quantization.quantize rounds, in one op each
             torch.ops.llm_kernels.write_int8_rows(k, cache_k, self.slot_mapping)
             torch.ops.llm_kernels.write_int8_rows(v, cache_v, self.slot_mapping)
         else:
             torch.ops.llm_kernels.write_rows(k, v, cache_k, cache_v, self.slot_mapping)
-        out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
-                              D ** -0.5)
+        out = cpu_kernels.paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start,
+                                          self.context_lens, D ** -0.5)
         return out.view(q.shape[0], cfg.num_heads * D)
 
 
@@ -349,7 +349,9 @@ class PagedLlama(nn.Module):
         kv_dst: torch.Tensor,  # [P]
         token_slot: torch.Tensor,  # [T]
         logits_index: torch.Tensor,  # [L] the tokens whose logits are returned
-        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`)
+        # [L, 2, num_blocks, block_size, KVH, D], read only (but with `kernel`); or its layers' (K, V) views, made once
+        # by the CPU runner: the 3 selects a layer takes, ~4 us, left out of every step
+        kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
         kernel: KernelLayout | TritonLayout | None = None,  # attend with a kernel, which writes the new K/V itself
         between_layers: Callable[[], None] | None = None,  # eager only: called after each layer but the last
         lora=None,  # eager only: a lora.LoraBatch, the tokens of sequences with a LoRA adapter
@@ -367,7 +369,8 @@ class PagedLlama(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, h, k, v = layer(x, h, norms[i], cos, sin, kv_cache[i, 0], kv_cache[i, 1], rows, ops, lora, i)
+            layer_kv = kv_cache[i]
+            x, h, k, v = layer(x, h, norms[i], cos, sin, layer_kv[0], layer_kv[1], rows, ops, lora, i)
             if kernel is None:
                 new_kv.append(torch.stack((k, v)))
             if between_layers is not None and i + 1 < len(self.layers):

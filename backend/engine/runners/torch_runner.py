@@ -70,6 +70,7 @@ class TorchRunner:
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device, kv_cache_dtype)
+        self.layer_kv = [(layer[0], layer[1]) for layer in self.kv_cache]  # views, made once (PagedLlama.forward)
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -80,7 +81,7 @@ class TorchRunner:
         if self.attention == "kernel":
             kernel = KernelLayout(tensor(batch.block_tables), tensor(batch.query_start), tensor(batch.context_lens),
                                   tensor(batch.slot_mapping))
-            logits, _ = self.model(**inputs, kv_cache=self.kv_cache, kernel=kernel,  # writes K/V itself
+            logits, _ = self.model(**inputs, kv_cache=self.layer_kv, kernel=kernel,  # writes K/V itself
                                    between_layers=between_layers, lora=batch.lora)
         else:
             logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache, between_layers=between_layers,
