@@ -229,8 +229,11 @@ class DecoderLayer(nn.Module):
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         def linear(name: str, inputs: torch.Tensor) -> torch.Tensor:
-            module = getattr(self, name)  # a tactic's GEMM called as is: not through nn.Module's call (~2 us each)
-            out = module(inputs) if module.gemm is None else module.gemm(inputs)
+            module = getattr(self, name)
+            # a tactic's GEMM called as is, not through nn.Module's call (~3 us, 120 calls a step); in an export the
+            # module's call names the graph's nodes, which build_engine/quantize_onnx.py maps back to the Linears
+            direct = module.gemm is not None and not torch.compiler.is_compiling()
+            out = module.gemm(inputs) if direct else module(inputs)
             return out if lora is None else lora.add(index, name, inputs, out)
 
         q, k, v = linear("qkv_proj", h).split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
