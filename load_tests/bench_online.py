@@ -58,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 import requests
@@ -212,48 +213,32 @@ def run_rate(name: str, system: System, items: list[Item], rate: float, max_seco
 # --------------------------------------------------------------------------- systems
 
 
-class ClientPool:
-    """Idle LLMClients to reuse: LLMClient runs one request at a time, so one per request in flight."""
+C = TypeVar("C")  # a connection: an LLMClient, a requests.Session
 
-    def __init__(self, url: str, model: str):
-        self.url, self.model = url, model
-        self._idle: queue.SimpleQueue[LLMClient] = queue.SimpleQueue()
-        self._all: list[LLMClient] = []
+
+class ConnectionPool(Generic[C]):
+    """Idle connections to reuse, one per request in flight (an LLMClient runs one request at a time; an HTTP session
+    keeps its connection): `stream(connection, item, timeout)` runs a request on one."""
+
+    def __init__(self, connect: Callable[[], C], stream: Callable[[C, Item, float], StreamRecord]):
+        self.connect, self.stream = connect, stream
+        self._idle: queue.SimpleQueue[C] = queue.SimpleQueue()
+        self._all: list[C] = []
 
     def send(self, item: Item, timeout: float) -> StreamRecord:
         try:
-            client = self._idle.get_nowait()
+            connection = self._idle.get_nowait()
         except queue.Empty:
-            client = LLMClient(self.url, self.model)
-            self._all.append(client)
+            connection = self.connect()
+            self._all.append(connection)
         try:
-            return grpc_stream(client, item.text, item.max_tokens, ignore_eos=True, timeout=timeout)
+            return self.stream(connection, item, timeout)
         finally:
-            self._idle.put(client)
+            self._idle.put(connection)
 
     def close(self) -> None:
-        for client in self._all:
-            client.close()
-
-
-class SessionPool:
-    """An HTTP session per client thread, for Triton's generate_stream."""
-
-    def __init__(self, url: str, model: str):
-        self.url, self.model = url, model
-        self._local = threading.local()
-        self._all: list[requests.Session] = []
-
-    def send(self, item: Item, timeout: float) -> StreamRecord:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-            self._all.append(self._local.session)
-        return triton_sse_stream(self._local.session, self.url, self.model, item.text, item.max_tokens,
-                                 ignore_eos=True, timeout=timeout)
-
-    def close(self) -> None:
-        for session in self._all:
-            session.close()
+        for connection in self._all:
+            connection.close()
 
 
 @contextmanager
@@ -262,7 +247,12 @@ def triton_system(repo: Path, model: str, timeout: float, protocol: str = "grpc"
                       extra_args=["--disable-auto-complete-config"]) as server:
         pid = find_tritonserver(server.grpc_port)
         assert pid is not None, "the server just started is not in /proc"
-        pool = ClientPool(server.url_grpc, model) if protocol == "grpc" else SessionPool(server.url_http, model)
+        if protocol == "grpc":
+            pool = ConnectionPool(lambda: LLMClient(server.url_grpc, model), lambda client, item, seconds: grpc_stream(
+                client, item.text, item.max_tokens, ignore_eos=True, timeout=seconds))
+        else:  # Triton's generate_stream
+            pool = ConnectionPool(requests.Session, lambda session, item, seconds: triton_sse_stream(
+                session, server.url_http, model, item.text, item.max_tokens, ignore_eos=True, timeout=seconds))
         try:
             yield System(lambda item: pool.send(item, timeout), lambda: tree_cpu_seconds(pid))
         finally:
@@ -310,15 +300,12 @@ def vllm_system(model_dir: Path, dtype: str, threads: int, timeout: float, log_p
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the vLLM server was not ready in {ready_timeout:.0f} s; see {log.name}")
             time.sleep(1)
-        local = threading.local()  # one requests.Session per worker thread
-
-        def send(item: Item) -> StreamRecord:
-            if not hasattr(local, "session"):
-                local.session = requests.Session()
-            return openai_sse_stream(local.session, base, "bench", item.text, item.max_tokens,
-                                     timeout=timeout)
-
-        yield System(send, lambda: tree_cpu_seconds(proc.pid))
+        pool = ConnectionPool(requests.Session, lambda session, item, seconds: openai_sse_stream(
+            session, base, "bench", item.text, item.max_tokens, timeout=seconds))
+        try:
+            yield System(lambda item: pool.send(item, timeout), lambda: tree_cpu_seconds(proc.pid))
+        finally:
+            pool.close()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
