@@ -12,7 +12,7 @@ import torch
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_quantization import quantize
-from backend.engine.models.llama import KernelLayout, ModelConfig, RowLayout
+from backend.engine.models.llama import KernelLayout, ModelConfig, RowLayout, split_attend
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
 
@@ -106,3 +106,30 @@ def test_write_rows_is_index_copy(dtype):
     assert all(torch.equal(got, want) for got, want in zip(caches, expected))
     with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
         torch.ops.llm_kernels.write_rows(k, v, *caches, torch.tensor([9, 0, 32, 4, 17]))
+
+
+@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_attend_qkv_is_the_split_the_rotary_and_the_attention(dtype, kv_int8):
+    """llm_kernels.attend_qkv, the kernel path's one call a layer between its qkv and o projections, equals what it
+    fuses called one by one (split_attend: the split, the rotary kernel, the K/V write, the attention kernel): the
+    same bits, in the output, in q and k rotated in place, and in the cache."""
+    Hs, KVHs, Ds = 9, 3, 64  # SmolLM2's heads
+    cfg = ModelConfig("llama", 100, Hs * Ds, 4 * Hs * Ds, 1, Hs, KVHs, Ds, 4096, 1e-5, True, False, ())
+    cpu_kernels.load()
+    batch = build_model_input(scheduled_batch(np.random.default_rng(2), 64), BLOCK, q_tile=8)
+    t = {name: torch.from_numpy(a) for name, a in vars(batch).items() if a is not None}
+    gen = torch.Generator().manual_seed(2)
+    T = batch.num_tokens
+    qkv = torch.randn(T, (Hs + 2 * KVHs) * Ds, generator=gen).to(dtype)
+    cos, sin = (torch.randn(T, Ds, generator=gen).to(dtype) for _ in range(2))
+    caches = [torch.randn(64, BLOCK, KVHs, Ds, generator=gen).to(dtype) for _ in range(2)]
+    if kv_int8:
+        caches = [quantize(c) for c in caches]
+    kernel = KernelLayout(t["block_tables"], t["query_start"], t["context_lens"], t["slot_mapping"])
+
+    expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
+    expected, _, _ = split_attend(kernel, expected_qkv, cos, sin, *expected_caches, cfg)
+    got, _, _ = kernel.attend_qkv(qkv, cos, sin, *caches, cfg)
+    assert torch.equal(got, expected) and got.shape == (T, Hs * Ds)
+    assert torch.equal(qkv, expected_qkv)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches))

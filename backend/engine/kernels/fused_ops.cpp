@@ -93,6 +93,11 @@ void rotate(scalar_t* x, int64_t row_stride, int64_t heads, int64_t D, const sca
   }
 }
 
+}  // namespace
+
+namespace llm_kernels {
+
+// Also called by attend_qkv (paged_attention.cpp).
 void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
               q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
@@ -114,6 +119,10 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
     });
   });
 }
+
+}  // namespace llm_kernels
+
+namespace {
 
 // [T, 2I] (gate | up) -> [T, I]: round(silu(gate)) * up, as torch's silu then mul; silu(x) = x * sigmoid(x)
 // with sigmoid from e = exp(-|x|) <= 1 (no overflow). Whole vectors; a row's last I % kLanes lanes go
@@ -164,6 +173,6 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
+  m.impl("rotary", &llm_kernels::rotary);
   m.impl("silu_mul", &silu_mul);
 }

@@ -21,6 +21,7 @@ keys at positions 0..C-1, C = blocks per row * block_size. A query at position p
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -207,6 +208,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # DecoderLayer.linears' names
+
+
+def _with_lora(call: Callable[[torch.Tensor], torch.Tensor], lora, index: int, name: str,
+               x: torch.Tensor) -> torch.Tensor:
+    return lora.add(index, name, x, call(x))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -218,31 +227,40 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)  # a tuple: not registered again
+
+    def projections(self, lora, index: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """The layer's Linears as callables: each one's GEMM tactic as is, not through nn.Module's call (with the
+        lookups that named them, ~11 us a layer, 30 a step); in an export the modules, whose calls name the graph's
+        nodes, which build_engine/quantize_onnx.py maps back to the Linears; `lora`'s deltas added."""
+        if torch.compiler.is_compiling():
+            return list(self.linears)
+        calls = [linear if linear.gemm is None else linear.gemm for linear in self.linears]
+        if lora is None:
+            return calls
+        return [functools.partial(_with_lora, call, lora, index, name) for call, name in zip(calls, PROJECTIONS)]
 
     def forward(self, x, h, next_norm: RMSNorm, cos, sin, layer_cache_k, layer_cache_v, rows, ops, lora=None,
                 index: int = 0):
         """x: the residual stream, h: its input_layernorm. Returns the stream after this layer, its norm by
         `next_norm` (the next layer's input_layernorm, or the final norm), and this layer's new K and V. `lora`
         (lora.LoraBatch, eager only) adds its adapters' deltas to the Linears of layer `index`."""
-        cfg = self.cfg
-        T = x.shape[0]
-        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-        def linear(name: str, inputs: torch.Tensor) -> torch.Tensor:
-            module = getattr(self, name)
-            # a tactic's GEMM called as is, not through nn.Module's call (~3 us, 120 calls a step); in an export the
-            # module's call names the graph's nodes, which build_engine/quantize_onnx.py maps back to the Linears
-            direct = module.gemm is not None and not torch.compiler.is_compiling()
-            out = module.gemm(inputs) if direct else module(inputs)
-            return out if lora is None else lora.add(index, name, inputs, out)
-
-        q, k, v = linear("qkv_proj", h).split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
-        q, k = ops.rotary(q.view(T, H, D), k.view(T, KVH, D), cos, sin)
-        v = v.view(T, KVH, D)
-        attn = rows.attend(q, k, v, layer_cache_k, layer_cache_v, cfg)
-        x, h = ops.add_rms_norm(linear("o_proj", attn), x, self.post_attention_layernorm)
-        x, h = ops.add_rms_norm(linear("down_proj", ops.silu_mul(linear("gate_up_proj", h))), x, next_norm)
+        qkv, o, gate_up, down = self.projections(lora, index)
+        attn, k, v = rows.attend_qkv(qkv(h), cos, sin, layer_cache_k, layer_cache_v, self.cfg)
+        x, h = ops.add_rms_norm(o(attn), x, self.post_attention_layernorm)
+        x, h = ops.add_rms_norm(down(ops.silu_mul(gate_up(h))), x, next_norm)
         return x, h, k, v
+
+
+def split_attend(rows: RowLayout | TritonLayout, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, cfg: ModelConfig):
+    """A layout's attend_qkv: q, k, v of the fused projection qkv [T, (H + 2 KVH) D], q and k rotated by the
+    layout's ops, then its attend. Returns (attention [T, H D], the new k and v [T, KVH, D])."""
+    T, H, KVH, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
+    q, k = rows.ops.rotary(q.view(T, H, D), k.view(T, KVH, D), cos, sin)
+    v = v.view(T, KVH, D)
+    return rows.attend(q, k, v, cache_k, cache_v, cfg), k, v
 
 
 @dataclass
@@ -256,6 +274,7 @@ class RowLayout:
     kv_dst: torch.Tensor  # [P] ... key slot r * C + position of its row
     token_slot: torch.Tensor  # [T] r * Q + j: where each flat token's output sits
     ops = TorchOps
+    attend_qkv = split_attend
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         return _gather_attention(q, k, v, cache_k, cache_v, self, cfg)
@@ -270,6 +289,12 @@ class KernelLayout:
     context_lens: torch.Tensor  # [S]
     slot_mapping: torch.Tensor  # [T]
     ops = KernelOps
+
+    def attend_qkv(self, qkv, cos, sin, cache_k, cache_v, cfg: ModelConfig):
+        """split_attend in one kernel call (llm_kernels.attend_qkv); the new K/V are in the cache, not returned."""
+        return torch.ops.llm_kernels.attend_qkv(qkv, cos, sin, cache_k, cache_v, self.slot_mapping, self.block_tables,
+                                                self.query_start, self.context_lens, cfg.num_heads,
+                                                cfg.head_dim ** -0.5), None, None
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         D = cfg.head_dim
@@ -295,6 +320,7 @@ class TritonLayout:
     max_query_len: int  # the longest chunk (the grid's size)
     segments: int  # context segments per program (kernels/triton_attention.py segments_for)
     ops = TritonOps
+    attend_qkv = split_attend
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         from backend.engine.kernels.triton_attention import paged_attention, write_kv
@@ -369,14 +395,15 @@ class PagedLlama(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         h = ops.rms_norm(x, self.layers[0].input_layernorm)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        layers = list(self.layers)  # not self.layers[1:]: a ModuleList's slice is a new ModuleList, 29 add_module calls
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         new_kv = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             layer_kv = kv_cache[i]
             x, h, k, v = layer(x, h, norms[i], cos, sin, layer_kv[0], layer_kv[1], rows, ops, lora, i)
             if kernel is None:
                 new_kv.append(torch.stack((k, v)))
-            if between_layers is not None and i + 1 < len(self.layers):
+            if between_layers is not None and i + 1 < len(layers):
                 between_layers()
         return self.lm_head(h[logits_index]).float(), torch.stack(new_kv) if new_kv else None
 
