@@ -3,7 +3,8 @@ fused elementwise ops around the GEMMs (fused_ops.cpp), both over cpu_math.h, th
 tactic (f32_linear.cpp), the bfloat16 AMX GEMM of `bf16_amx` (bf16_amx.cpp), the int8 GEMMs of the `quantization`
 tactics (q8_linear.cpp, q8_0_w8a8.cpp, q4_1_w4a8.cpp), and the sampler's argmax (argmax.cpp); AMX tiles (amx.h) in
 the GEMM and the bfloat16 prefill attention where the CPU has AMX-BF16. The GEMMs' and the decode attention's
-threads take their items from shares that a thread done with its own takes from (work_queue.h).
+threads take their items from shares that a thread done with its own takes from (work_queue.h); the int8 GEMMs
+quantize their activations into memory the calling thread keeps (scratch.h).
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them), once per Python environment, into `$LLM_KERNEL_CACHE` or
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_linear.cpp", HERE / "bf16_amx.cpp",
            HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp")
-HEADERS = (HERE / "cpu_math.h", HERE / "amx.h", HERE / "work_queue.h")
+HEADERS = (HERE / "cpu_math.h", HERE / "amx.h", HERE / "scratch.h", HERE / "work_queue.h")
 REPO_ROOT = HERE.parents[2]
 _lock = threading.Lock()
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "scratch.h"
 #include "work_queue.h"
 
 namespace {
@@ -303,12 +304,12 @@ at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   TORCH_CHECK(!table || (values.sizes() == at::IntArrayRef({16}) && values.scalar_type() == at::kChar &&
                          values.is_contiguous()),
               "q4_1_w4a8_linear: values (the weight of each 4-bit index) [16] int8, or empty, expected");
-  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto xd = at::empty({M, nb}, x.options());
-  auto xs = at::empty({M, nb}, x.options());
+  const size_t q_bytes = llm_kernels::aligned64(M * K), f_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
+  char* scratch = llm_kernels::thread_scratch(q_bytes + 2 * f_bytes);
   const float* px = x.data_ptr<float>();
-  int8_t* pxq = xq.data_ptr<int8_t>();
-  float *pxd = xd.data_ptr<float>(), *pxs = xs.data_ptr<float>();
+  int8_t* pxq = reinterpret_cast<int8_t*>(scratch);
+  float* pxd = reinterpret_cast<float*>(scratch + q_bytes);
+  float* pxs = reinterpret_cast<float*>(scratch + q_bytes + f_bytes);
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxd + i, pxs + i);
   });

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "amx.h"
+#include "scratch.h"
 #include "work_queue.h"
 
 namespace {
@@ -220,12 +221,12 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   TORCH_CHECK(!with_mins || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
                              mins.scalar_type() == at::kFloat),
               "q8_0_w8a8_linear: mins as the scales (float32) or empty expected");
-  auto xq = at::empty({M, K}, x.options().dtype(at::kByte));
-  auto xs = at::empty({M, nb}, x.options());
-  auto xsum = at::empty({M, 2 * nb}, x.options());
+  const size_t q_bytes = llm_kernels::aligned64(M * K), s_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
+  char* scratch = llm_kernels::thread_scratch(q_bytes + s_bytes + 2 * M * nb * sizeof(float));
   const float* px = x.data_ptr<float>();
-  uint8_t* pxq = xq.data_ptr<uint8_t>();
-  float *pxs = xs.data_ptr<float>(), *pxsum = xsum.data_ptr<float>();
+  uint8_t* pxq = reinterpret_cast<uint8_t*>(scratch);
+  float* pxs = reinterpret_cast<float*>(scratch + q_bytes);
+  float* pxsum = reinterpret_cast<float*>(scratch + q_bytes + s_bytes);
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxsum + 2 * i);
   });
