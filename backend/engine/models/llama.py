@@ -10,8 +10,9 @@ Attention reads the paged cache through block tables, in one of three ways:
   the compiled graph never copies the cache. Inside the graph, each attention row gets the new keys
   of its own sequence scattered into its small gathered copy, so a prefill chunk sees itself.
 - KernelLayout (eager PyTorch on the CPU): the new K/V go into the cache first, then a C++ kernel
-  (backend/engine/kernels/) reads each sequence's blocks in place. Same math; the gather path pays for
-  the longest sequence of the batch in every row, the kernel only for each row's own context.
+  (backend/engine/kernels/) reads each sequence's blocks in place, all in one call a layer from the qkv
+  projection. Same math; the gather path pays for the longest sequence of the batch in every row, the
+  kernel only for each row's own context.
 - TritonLayout (eager PyTorch or a CUDA graph on the GPU): the same, with OpenAI Triton kernels
   (backend/engine/kernels/triton_attention.py) and TritonOps for the elementwise ops.
 
