@@ -88,7 +88,7 @@ def test_kernel_rejects_mismatched_dtypes():
     cache = torch.zeros(2, BLOCK, KVH, D, dtype=torch.bfloat16)
     idx = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="in q's dtype or int8"):
-        cpu_kernels.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)
+        torch.ops.llm_kernels.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

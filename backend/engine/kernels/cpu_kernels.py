@@ -99,8 +99,3 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llm_kernels.argmax_rows(x)
     return x.argmax(dim=-1)
 
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]; the cache [num_blocks, block_size, KVH, D] must hold this step's K/V."""
-    return torch.ops.llm_kernels.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)

@@ -699,9 +699,23 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k, a
   }
 }
 
-// A decoder layer's attention from its fused qkv projection [T, (H + 2 KVH) D]: rotary on q and k in place, the new K
-// and V into the cache, then paged_attention; returns [T, H D]. One call where the split, views, rotary, write and
-// attention were eight dispatches from Python, ~1.5 us each, 30 layers a step.
+// The step's new K and V [T, KVH, D] into the cache (an int8 one rounds them as kv_quantization.quantize does), then
+// paged_attention: KernelLayout.attend in one call.
+at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+  if (k_cache.scalar_type() == at::kChar) {
+    write_int8_rows(k, k_cache, slot_mapping);
+    write_int8_rows(v, v_cache, slot_mapping);
+  } else {
+    write_rows(k, v, k_cache, v_cache, slot_mapping);
+  }
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale);
+}
+
+// A decoder layer's attention from its fused qkv projection [T, (H + 2 KVH) D]: rotary on q and k in place, then
+// write_and_attend; returns [T, H D]. One call where the split, views, rotary, write and attention were eight
+// dispatches from Python, ~1.5 us each, 30 layers a step.
 at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start, const at::Tensor& context_lens, int64_t num_heads, double scale) {
@@ -711,13 +725,8 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   auto k = qkv.narrow(1, num_heads * D, KVH * D).view({T, KVH, D});
   const auto v = qkv.narrow(1, (num_heads + KVH) * D, KVH * D).view({T, KVH, D});
   llm_kernels::rotary(q, k, cos, sin);
-  if (k_cache.scalar_type() == at::kChar) {
-    write_int8_rows(k, k_cache, slot_mapping);
-    write_int8_rows(v, v_cache, slot_mapping);
-  } else {
-    write_rows(k, v, k_cache, v_cache, slot_mapping);
-  }
-  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale).view({T, num_heads * D});
+  return write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start, context_lens, scale)
+      .view({T, num_heads * D});
 }
 
 }  // namespace
@@ -726,6 +735,8 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("attend_qkv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, int num_heads, "
         "float scale) -> Tensor");
+  m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor context_lens, float scale) -> Tensor");
   m.def("write_int8_rows(Tensor x, Tensor(a!) cache, Tensor slot_mapping) -> ()");
@@ -734,6 +745,7 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
   m.impl("attend_qkv", &attend_qkv);
+  m.impl("write_and_attend", &write_and_attend);
   m.impl("paged_attention", &paged_attention);
   m.impl("write_int8_rows", &write_int8_rows);
   m.impl("write_rows", &write_rows);

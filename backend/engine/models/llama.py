@@ -32,7 +32,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_quantization import as_stored, dequantize
 from backend.engine.models.weight_blocks import Weight, shape_of
 
@@ -209,7 +208,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # DecoderLayer.linears' names
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # DecoderLayer.linears, by name
 
 
 def _with_lora(call: Callable[[torch.Tensor], torch.Tensor], lora, index: int, name: str,
@@ -228,7 +227,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)  # a tuple: not registered again
+        self.linears = tuple(getattr(self, name) for name in PROJECTIONS)  # a tuple: not registered again
 
     def projections(self, lora, index: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """The layer's Linears as callables: each one's GEMM tactic as is, not through nn.Module's call (with the
@@ -298,15 +297,9 @@ class KernelLayout:
                                                 cfg.head_dim ** -0.5), None, None
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
-        D = cfg.head_dim
-        if cache_k.dtype == torch.int8:  # rounded as kv_quantization.quantize rounds, in one op each
-            torch.ops.llm_kernels.write_int8_rows(k, cache_k, self.slot_mapping)
-            torch.ops.llm_kernels.write_int8_rows(v, cache_v, self.slot_mapping)
-        else:
-            torch.ops.llm_kernels.write_rows(k, v, cache_k, cache_v, self.slot_mapping)
-        out = cpu_kernels.paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start,
-                                          self.context_lens, D ** -0.5)
-        return out.view(q.shape[0], cfg.num_heads * D)
+        out = torch.ops.llm_kernels.write_and_attend(q, k, v, cache_k, cache_v, self.slot_mapping, self.block_tables,
+                                                     self.query_start, self.context_lens, cfg.head_dim ** -0.5)
+        return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
 @dataclass
@@ -395,8 +388,8 @@ class PagedLlama(nn.Module):
         x = self.embed_tokens(token_ids)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        h = ops.rms_norm(x, self.layers[0].input_layernorm)
         layers = list(self.layers)  # not self.layers[1:]: a ModuleList's slice is a new ModuleList, 29 add_module calls
+        h = ops.rms_norm(x, layers[0].input_layernorm)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         new_kv = []
         for i, layer in enumerate(layers):
