@@ -22,7 +22,7 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     LLM_MODEL_CACHE=/models/SmolLM2-135M-Instruct
 
-# curl: the compose healthcheck. g++: the CPU paged-attention kernel compiles on first use (backend/engine/kernels/).
+# curl: the compose healthcheck. g++: the CPU kernels compile once per CPU (backend/engine/kernels/).
 RUN apt-get update && apt-get install -y --no-install-recommends curl g++ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/llm
@@ -38,6 +38,8 @@ RUN python3 -m pip install "$(grep -E '^torch==' requirements.txt)" --index-url 
 COPY . .
 # The stub runs Python isolated (PYTHONPATH is ignored): an install makes `backend` importable by model.py.
 RUN python3 -m pip install --no-deps -e .
+# The CPU kernels for the build host's CPU (another CPU builds its own at the launcher's start, with a progress line)
+RUN python3 -m backend.engine.kernels.cpu_kernels
 # NVIDIA Dynamo (compose profile `dynamo`) in its own venv over this interpreter: the engine's packages are
 # shared, Dynamo stays out of the system site (scripts/dynamo_env.sh, as `make dynamo-venv` does).
 RUN DYNAMO_VENV=/opt/dynamo DYNAMO_SYSTEM_SITE=1 PY=python3 bash scripts/dynamo_env.sh

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv model test test-slow serve clean dynamo-venv serve-dynamo aiperf prometheus-env cluster-env
+.PHONY: venv model kernels kernels-avx2 test test-slow serve clean dynamo-venv serve-dynamo aiperf prometheus-env cluster-env
 
 $(STAMP): requirements.txt requirements-load.txt requirements-bench.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,17 @@ venv: $(STAMP)
 model: venv
 	$(BIN)/python -m backend.serving.model_store
 
-test: model dynamo-venv prometheus-env cluster-env
-	$(BIN)/python -m pytest -q
+# The CPU kernels, compiled once per CPU before any server or test loads them, with a progress line (a 2-core Zen 3
+# takes about 2 minutes; the log says what the last build on this CPU took). Dynamo's venv loads the same build.
+kernels: venv
+	$(BIN)/python -m backend.engine.kernels.cpu_kernels
+
+# Their AVX2 build too, which tests/test_kernels_avx2.py runs the CPU tests on (x86 CPUs with AVX2 only)
+kernels-avx2: venv
+	if grep -qw avx2 /proc/cpuinfo; then LLM_KERNEL_MARCH=x86-64-v3 $(BIN)/python -m backend.engine.kernels.cpu_kernels; fi
+
+test: model kernels kernels-avx2 dynamo-venv prometheus-env cluster-env
+	$(BIN)/python -m pytest -q --durations=20
 
 # Debian's prometheus (tests/test_dashboard.py scrapes a test server with it); apt-get, as root, when missing
 prometheus-env:
@@ -32,14 +41,14 @@ prometheus-env:
 cluster-env:
 	bash scripts/cluster_env.sh
 
-test-slow: model
+test-slow: model kernels
 	$(BIN)/python -m pytest -q -m slow
 
 # A real tritonserver (from the nvidia-pytriton wheel here; the image's own in Docker) on model_repository/,
 # on 127.0.0.1 with the admin APIs behind $TRITON_ADMIN_KEY (docs/security.md). SERVE_ARGS="--host 0.0.0.0"
 # opens it to the network.
 SERVE_ARGS ?=
-serve: model
+serve: model kernels
 	$(BIN)/python -m backend.triton.launcher --model-repository model_repository $(SERVE_ARGS)
 
 # NVIDIA Dynamo in its own venv (.venv-dynamo, ~1 min): the frontend (OpenAI API on :8080, KV-aware router)
@@ -59,7 +68,7 @@ HOSTS ?=
 dynamo-venv:
 	bash scripts/dynamo_env.sh
 
-serve-dynamo: model dynamo-venv $(if $(filter etcd,$(DISCOVERY)),cluster-env)
+serve-dynamo: model kernels dynamo-venv $(if $(filter etcd,$(DISCOVERY)),cluster-env)
 	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) --prefill-workers $(PREFILL_WORKERS) \
 		--discovery $(DISCOVERY) $(if $(HOSTS),--hosts) \
 		--decode-workers $(DECODE_WORKERS) $(if $(CONDITIONAL_DISAGG),--conditional-disagg '$(CONDITIONAL_DISAGG)') \

@@ -82,6 +82,43 @@ def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, he
     assert torch.equal(flat, quantize(k) if kv_int8 else k)
 
 
+@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_a_generated_token_attends_as_a_decode_in_any_chunk(dtype, kv_int8):
+    """With prompt_lens, a generated token's attention is the bits of its own decode step, whether it is verified
+    with speculative drafts after it (sequence 0: 1 + 5 tokens past a 20-token prompt) or recomputed with its prompt
+    after a preemption (sequence 1: a 10-token prompt and 5 outputs in one chunk), while prompt tokens still go in
+    tiles, as a prefill chunk does without prompt_lens. So speculation cannot change a greedy output."""
+    Hs, KVHs, Ds = 9, 3, 64
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(3)
+    cache = [torch.randn(32, BLOCK, KVHs, Ds, generator=gen).to(dtype) for _ in range(2)]
+    if kv_int8:
+        cache = [quantize(c) for c in cache]
+    tables = torch.tensor([list(range(0, 14, 2)), list(range(1, 15, 2))])  # 7 blocks each, interleaved
+    chunks, context, prompt = [6, 15], [28, 15], [20, 10]
+    T = sum(chunks)
+    q = torch.randn(T, Hs, Ds, generator=gen).to(dtype)
+    k, v = (torch.randn(T, KVHs, Ds, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.tensor([int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK
+                          for s in range(2) for p in range(context[s] - chunks[s], context[s])])
+    starts, lens, scale = torch.tensor([0, chunks[0], T]), torch.tensor(context), Ds ** -0.5
+
+    def step(prompt_lens):  # one step over both chunks; returns its output and the caches it wrote
+        ck, cv = (c.clone() for c in cache)
+        return torch.ops.llm_kernels.write_and_attend(q, k, v, ck, cv, slots, tables, starts, lens, scale,
+                                                      prompt_lens), ck, cv
+
+    out, ck, cv = step(torch.tensor(prompt))
+    generated = [(0, row, context[0] - chunks[0] + row + 1) for row in range(chunks[0])]  # (sequence, row, its keys)
+    generated += [(1, chunks[0] + p, p + 1) for p in range(prompt[1], chunks[1])]
+    for s, row, keys in generated:  # decoded alone: a chunk of one, the keys up to it in the cache
+        alone = torch.ops.llm_kernels.paged_attention(q[row:row + 1], ck, cv, tables[s:s + 1], torch.tensor([0, 1]),
+                                                      torch.tensor([keys]), scale)
+        assert torch.equal(out[row], alone[0]), (s, row)
+    prompt_rows = torch.arange(chunks[0], chunks[0] + prompt[1])
+    assert torch.equal(out[prompt_rows], step(None)[0][prompt_rows])
+
+
 def test_kernel_rejects_mismatched_dtypes():
     cpu_kernels.load()
     q = torch.zeros(1, H, D)

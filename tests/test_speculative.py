@@ -57,9 +57,10 @@ def test_propose_and_accept():
 
 def test_greedy_equals_without_speculation_on_an_int8_kv_cache(smollm2_dir, prompts):
     """Speculation must not change outputs on the 8-bit KV cache either (a verified draft's K/V rounded as a decoded
-    token's would be). Both engines on one GEMM tactic, whose sums do not depend on the thread count: in one full run
-    (2026-11-27 17:12) the two parted at a near-tie, which the test alone did not reproduce; `auto`'s choice, made per
-    start and keyed by the threads then free, is what could differ between them."""
+    token's would be, its attention computed as its decode's: paged_attention.cpp). On an AVX2 Zen 3 the two parted
+    at a near-tie while verified tokens attended in a prefill chunk's tiles (2026-11-28). Both engines on one GEMM
+    tactic whose sums do not depend on the thread count or the rows beside a row: `auto`'s choice, made per start and
+    keyed by the threads then free, could differ between them, and MKL's sums (`aten`) depend on the row count."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     same = {"kv_cache_dtype": "int8", "gemm_backend": "f32_panels"}
     expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir), **same)).generate(prompts, params)

@@ -42,6 +42,7 @@ class ModelInput:
     token_slot: np.ndarray  # [T]
     logits_index: np.ndarray  # [L] tokens whose logits the step returns
     logits_start: np.ndarray  # [S + 1] each sequence's rows of the logits; its last row is its last token's
+    prompt_lens: np.ndarray  # [S] each sequence's prompt tokens (the CPU kernel attends to the rest as decodes)
     lora: LoraBatch | None = None  # the tokens of sequences with a LoRA adapter, by adapter (PyTorch runner only)
 
     @property
@@ -72,6 +73,7 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
     positions = np.empty(T, i64)
     query_start = np.zeros(S + 1, i64)
     context_lens = np.empty(S, i64)
+    prompt_lens = np.empty(S, i64)
     block_tables = np.zeros((S, B), i64)
     row_tables, row_tokens, srcs, dsts = [], [], [], []
     token_slot = np.empty(T, i64)
@@ -84,6 +86,7 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
         positions[t:t + n] = np.arange(start, start + n)
         query_start[s + 1] = t + n
         context_lens[s] = start + n
+        prompt_lens[s] = len(seq.prompt_token_ids)
         block_tables[s, :len(seq.block_ids)] = seq.block_ids
         for a in range(0, n, Q):
             b = min(a + Q, n)
@@ -115,4 +118,5 @@ def build_model_input(scheduled: list[tuple[Sequence, int]], block_size: int, q_
         token_slot=token_slot,
         logits_index=logits_index,
         logits_start=logits_start,
+        prompt_lens=prompt_lens,
     )

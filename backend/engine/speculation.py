@@ -6,9 +6,11 @@ sequences run): with `ngram`, the tokens that followed the most recent earlier o
 3 down to 1) in its prompt and output. It is scheduled as 1 + k query tokens (its last token and the drafts); the
 forward returns the logits of all 1 + k positions; the drafts are accepted while each equals the sampler's pick at
 its position, and the pick after the last accepted one is the step's own token. So a step yields 1 to k + 1 tokens,
-each the one decoding without speculation picks at its position: the output equals the output without speculation
-(the verify rows' logits are those of a prefill chunk, which can round differently from a one-token decode only at
-a near-tie).
+each the one decoding without speculation picks at its position: the output equals the output without speculation.
+Bit for bit on the CPU kernel path: a verified token attends as its one-token decode would (paged_attention.cpp
+takes generated tokens one by one in any chunk), and the GEMM tactics but `aten` (MKL) give a row the same sums at
+any row count; elsewhere (the gather graph, the GPU kernels, MKL) the verify rows round as a prefill chunk does, which
+can differ from a one-token decode only at a near-tie.
 
 A sampled row draws each position with the noise of (its seed, that position) (sampling.py), the noise it draws there
 without speculation: a seeded output is the same with speculation on or off, and so its distribution is the target's.

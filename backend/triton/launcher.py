@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         admin = f"Admin APIs ({', '.join(ADMIN_APIS)}): send the header `{ADMIN_HEADER}: ${ADMIN_KEY_ENV}`.\n"
     else:
         admin = f"Admin APIs ({', '.join(ADMIN_APIS)}): closed, {ADMIN_KEY_ENV} is unset.\n"
+    # the llm's CPU kernels, built here with a progress line if this CPU has none, not inside the server's model load
+    subprocess.run([sys.executable, "-m", "backend.engine.kernels.cpu_kernels"], check=False)
     try:
         restarts = 0
         while True:

@@ -13,8 +13,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -514,10 +516,15 @@ void attend_rows_amx(const c10::BFloat16* __restrict q, const c10::BFloat16* __r
 }
 #endif
 
+// Which path a query token takes depends on the token, not on the step that computes it: a prompt token's (position
+// below prompt_lens[s]) goes in tiles, a generated token's one by one, as a decode. So a token's attention is the same
+// bits whether it is decoded alone, verified with speculative drafts after it, or recomputed after a preemption, and
+// speculation cannot change a greedy output even at a near-tie (the tiles sum q.k and p.v in another order). Without
+// prompt_lens, a chunk of one token is the decode and longer chunks go in tiles.
 template <typename scalar_t, typename cache_t>
 void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, scalar_t* out,
             const int64_t* block_tables, const int64_t* query_start, const int64_t* context_lens,
-            int64_t num_seqs, Shape shape) {
+            const int64_t* prompt_lens, int64_t num_seqs, Shape shape) {
   for (int64_t s = 0; s < num_seqs; ++s) shape.max_ctx = std::max(shape.max_ctx, context_lens[s]);
   const int64_t HD = shape.num_heads * shape.head_dim, group = shape.num_heads / shape.num_kv_heads;
 #if defined(LLM_AMX)
@@ -532,14 +539,19 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
   struct Tile {
     int64_t seq, kv_head, first, tokens;
   };
+  struct Single {
+    int64_t seq, token;  // token: its row in q and out; it sees keys 0..its position
+  };
   std::vector<Tile> tiles;
-  std::vector<int64_t> singles;  // the sequences of one token (decodes)
+  std::vector<Single> singles;  // the tokens that attend one by one (decodes)
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t begin = query_start[s], end = query_start[s + 1];
-    if (end - begin == 1) singles.push_back(s);
-    else if (end > begin)
-      for (int64_t kh = 0; kh < shape.num_kv_heads; ++kh)
-        for (int64_t t = begin; t < end; t += per_tile) tiles.push_back({s, kh, t, std::min(per_tile, end - t)});
+    const int64_t begin = query_start[s], end = query_start[s + 1], first_pos = context_lens[s] - (end - begin);
+    const int64_t tiled = prompt_lens ? std::clamp<int64_t>(prompt_lens[s] - first_pos, 0, end - begin)
+                                      : (end - begin == 1 ? 0 : end - begin);
+    for (int64_t kh = 0; kh < shape.num_kv_heads && tiled; ++kh)
+      for (int64_t t = begin; t < begin + tiled; t += per_tile)
+        tiles.push_back({s, kh, t, std::min(per_tile, begin + tiled - t)});
+    for (int64_t t = begin + tiled; t < end; ++t) singles.push_back({s, t});
   }
   const auto token = [&](auto head_vectors) {
     constexpr int V = decltype(head_vectors)::value;
@@ -587,7 +599,8 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
           acc(kFloat ? (2 * D + 1) * H : G * D);
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t i; (i = queue.take(thread)) >= 0;) {
-        const int64_t s = singles[i], t = query_start[s], n = context_lens[s];  // n: its visible keys
+        const int64_t s = singles[i].seq, t = singles[i].token;
+        const int64_t n = context_lens[s] - (query_start[s + 1] - 1 - t);  // its visible keys
         const int64_t* table = block_tables + s * shape.max_blocks;
         if constexpr (!std::is_same_v<cache_t, float>)
           attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
@@ -613,7 +626,8 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
 // block_tables [S, B]; query_start [S + 1]; context_lens [S] (int64). Returns [T, H, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale,
+                           const std::optional<at::Tensor>& prompt_lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_attention: bad shapes");
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -624,15 +638,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               " (this CPU's float vector width)");
   for (const auto* t : {&block_tables, &query_start, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
+  TORCH_CHECK(!prompt_lens || (prompt_lens->scalar_type() == at::kLong && prompt_lens->numel() == context_lens.numel()),
+              "paged_attention: prompt_lens [S] int64");
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const auto bt = block_tables.contiguous(), qs = query_start.contiguous(), cl = context_lens.contiguous();
+  const auto pl = prompt_lens ? prompt_lens->contiguous() : at::Tensor();
   auto out = at::empty_like(qc);
   dispatch(q, "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
     const Shape shape{qc.size(1), kc.size(2), qc.size(2), kc.size(1), bt.size(1), 1, static_cast<float>(scale)};
     const auto run = [&](auto* k, auto* v) {
       attend(qc.data_ptr<scalar_t>(), k, v, out.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), qs.data_ptr<int64_t>(),
-             cl.data_ptr<int64_t>(), cl.size(0), shape);
+             cl.data_ptr<int64_t>(), pl.defined() ? pl.data_ptr<int64_t>() : nullptr, cl.size(0), shape);
     };
     if (int8)
       run(kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>());
@@ -703,14 +720,15 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k, a
 // paged_attention: KernelLayout.attend in one call.
 at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                            const at::Tensor& query_start, const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
+                            const std::optional<at::Tensor>& prompt_lens) {
   if (k_cache.scalar_type() == at::kChar) {
     write_int8_rows(k, k_cache, slot_mapping);
     write_int8_rows(v, v_cache, slot_mapping);
   } else {
     write_rows(k, v, k_cache, v_cache, slot_mapping);
   }
-  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale);
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, prompt_lens);
 }
 
 // A decoder layer's attention from its fused qkv projection [T, (H + 2 KVH) D]: rotary on q and k in place, then
@@ -718,14 +736,16 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
 // dispatches from Python, ~1.5 us each, 30 layers a step.
 at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                      const at::Tensor& query_start, const at::Tensor& context_lens, int64_t num_heads, double scale) {
+                      const at::Tensor& query_start, const at::Tensor& context_lens, int64_t num_heads, double scale,
+                      const std::optional<at::Tensor>& prompt_lens) {
   const int64_t T = qkv.size(0), KVH = k_cache.size(2), D = cos.size(-1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * KVH) * D, "attend_qkv: qkv [T, (H + 2 KVH) D]");
   auto q = qkv.narrow(1, 0, num_heads * D).view({T, num_heads, D});
   auto k = qkv.narrow(1, num_heads * D, KVH * D).view({T, KVH, D});
   const auto v = qkv.narrow(1, (num_heads + KVH) * D, KVH * D).view({T, KVH, D});
   llm_kernels::rotary(q, k, cos, sin);
-  return write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start, context_lens, scale)
+  return write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start, context_lens, scale,
+                          prompt_lens)
       .view({T, num_heads * D});
 }
 
@@ -734,11 +754,11 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("attend_qkv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, int num_heads, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? prompt_lens=None) -> Tensor");
   m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale, Tensor? prompt_lens=None) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? prompt_lens=None) -> Tensor");
   m.def("write_int8_rows(Tensor x, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("write_rows(Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slot_mapping) -> ()");
 }

@@ -288,17 +288,19 @@ class KernelLayout:
     query_start: torch.Tensor  # [S + 1]
     context_lens: torch.Tensor  # [S]
     slot_mapping: torch.Tensor  # [T]
+    prompt_lens: torch.Tensor | None = None  # [S]: prompt tokens attend in tiles, the rest one by one (the kernel's doc)
     ops = KernelOps
 
     def attend_qkv(self, qkv, cos, sin, cache_k, cache_v, cfg: ModelConfig):
         """split_attend in one kernel call (llm_kernels.attend_qkv); the new K/V are in the cache, not returned."""
         return torch.ops.llm_kernels.attend_qkv(qkv, cos, sin, cache_k, cache_v, self.slot_mapping, self.block_tables,
                                                 self.query_start, self.context_lens, cfg.num_heads,
-                                                cfg.head_dim ** -0.5), None, None
+                                                cfg.head_dim ** -0.5, self.prompt_lens), None, None
 
     def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
         out = torch.ops.llm_kernels.write_and_attend(q, k, v, cache_k, cache_v, self.slot_mapping, self.block_tables,
-                                                     self.query_start, self.context_lens, cfg.head_dim ** -0.5)
+                                                     self.query_start, self.context_lens, cfg.head_dim ** -0.5,
+                                                     self.prompt_lens)
         return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 

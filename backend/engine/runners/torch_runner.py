@@ -80,7 +80,7 @@ class TorchRunner:
         inputs = {k: tensor(v) for k, v in batch.graph_inputs().items()}
         if self.attention == "kernel":
             kernel = KernelLayout(tensor(batch.block_tables), tensor(batch.query_start), tensor(batch.context_lens),
-                                  tensor(batch.slot_mapping))
+                                  tensor(batch.slot_mapping), tensor(batch.prompt_lens))
             logits, _ = self.model(**inputs, kv_cache=self.layer_kv, kernel=kernel,  # writes K/V itself
                                    between_layers=between_layers, lora=batch.lora)
         else:
