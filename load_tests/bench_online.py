@@ -260,9 +260,10 @@ def triton_system(repo: Path, model: str, timeout: float, protocol: str = "grpc"
 
 
 def ours_repository(tmp: Path, model_dir: Path, llm_settings: dict[str, str] | None = None) -> Path:
-    """Our repository on `model_dir`; `llm_settings` (config.pbtxt parameters of the llm) change its defaults."""
+    """Our repository on `model_dir`; `llm_settings` (config.pbtxt parameters of the llm) change its defaults. Float
+    weights unless they set `quantization` (the default would serve the default model's GGUF), as the baselines'."""
     params = {m: {"model": str(model_dir)} for m in SERVED}
-    params["llm"].update(llm_settings or {})
+    params["llm"].update({"quantization": "none", **(llm_settings or {})})
     return configure_repository(tmp / "ours", params, models=SERVED)
 
 

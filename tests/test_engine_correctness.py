@@ -61,7 +61,9 @@ SCENARIOS = {
 
 
 def check_scenario(model_dir, name: str, refs_cache: dict, attention: str = "auto") -> None:
-    engine = LLMEngine(EngineConfig.create(model=str(model_dir), attention=attention, **SCENARIOS[name]))
+    # float32 weights, the ones HF's reference reads (the default serves SmolLM2's GGUF as stored)
+    engine = LLMEngine(EngineConfig.create(model=str(model_dir), attention=attention, quantization="none",
+                                           **SCENARIOS[name]))
     reqs = workload(engine.model_config.vocab_size)
     key = str(model_dir)
     if key not in refs_cache:

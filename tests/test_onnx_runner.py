@@ -42,7 +42,8 @@ def check_against_torch_and_hf(model_dir: Path, engine_dir: Path, scenario: str)
     onnx_engine = LLMEngine(EngineConfig.create(runtime="onnxruntime", engine_dir=str(engine_dir), **settings))
     reqs = workload(onnx_engine.model_config.vocab_size)
     outs = run(onnx_engine, reqs, use_priority=False)
-    torch_outs = run(LLMEngine(EngineConfig.create(**settings)), reqs, use_priority=False)
+    # float32 weights, as the graph and HF's reference (the default serves SmolLM2's GGUF as stored)
+    torch_outs = run(LLMEngine(EngineConfig.create(quantization="none", **settings)), reqs, use_priority=False)
     refs = hf_reference(model_dir)
     assert [i for i, (o, t) in enumerate(zip(outs, torch_outs)) if o != t] == [], "differs from the torch runner"
     assert [i for i, (o, r) in enumerate(zip(outs, refs)) if o != r] == [], "differs from HF generate"

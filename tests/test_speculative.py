@@ -62,7 +62,7 @@ def test_greedy_equals_without_speculation_on_an_int8_kv_cache(smollm2_dir, prom
     tactic whose sums do not depend on the thread count or the rows beside a row: `auto`'s choice, made per start and
     keyed by the threads then free, could differ between them, and MKL's sums (`aten`) depend on the row count."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    same = {"kv_cache_dtype": "int8", "gemm_backend": "f32_panels"}
+    same = {"kv_cache_dtype": "int8", "gemm_backend": "f32_panels", "quantization": "none"}
     expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir), **same)).generate(prompts, params)
     eng = speculating(smollm2_dir, 5, **same)
     assert eng.generate(prompts, params) == expected
@@ -83,7 +83,9 @@ def test_greedy_equals_without_speculation(smollm2_dir, prompts, plain, k):
 
 
 def test_greedy_equals_hf(smollm2_dir, prompts):
-    outs = speculating(smollm2_dir, 5).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    """In float32, the weights HF's reference reads (the other tests run the default: SmolLM2's GGUF as stored)."""
+    outs = speculating(smollm2_dir, 5, quantization="none").generate(prompts, SamplingParams(max_tokens=24,
+                                                                                              ignore_eos=True))
     assert outs == hf_greedy(smollm2_dir, prompts, [24] * len(prompts))
 
 

@@ -96,10 +96,12 @@ class EngineConfig:
     attention: str = "auto"  # torch runtime: kernel (CPU C++) | triton (GPU) | gather (the exported graph) | auto
     cuda_graphs: bool = True  # torch runtime on CUDA with triton attention: decode steps replay CUDA graphs
     gemm_backend: str = "auto"  # torch runtime: auto (measured per shape) | a tactic's name (runners/gemm.py)
-    # CPU: none | int8 | int4 (runtime torch: rounded at load; onnxruntime: the engine_dir built with it) | gguf (torch:
-    # the folder's GGUF as stored) | compressed-tensors | gptq | awq (torch: an int4/int8 checkpoint as stored; its
-    # config.json sets it). CUDA (runtime torch): none | int8 | int4, the same rounding (kernels/triton_linear.py)
-    quantization: str = "none"
+    # auto: the weights as shipped (the folder's GGUF as stored on the CPU, so the default model; a quantized
+    # checkpoint by its method; else none). CPU: none (float) | int8 | int4 (runtime torch: rounded at load;
+    # onnxruntime: the engine_dir built with it) | gguf (torch: the folder's GGUF as stored) | compressed-tensors |
+    # gptq | awq (torch: an int4/int8 checkpoint as stored; its config.json sets it). CUDA (runtime torch): none |
+    # int8 | int4, the same rounding (kernels/triton_linear.py)
+    quantization: str = "auto"
     engine_dir: str | None = None  # compiled graph / plan for onnxruntime and tensorrt
     draft_model: str | None = None  # speculative: draft: a small model folder with the model's tokenizer (or itself)
     draft_quantization: str = "none"  # the draft model's weights, as `quantization` (the model's own, int4: 3x faster)

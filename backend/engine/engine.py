@@ -102,8 +102,9 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ModelConfig) -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None):
-        # what serves the model: a quantized checkpoint's own quantization where its config.json names one
-        served = served_quantization(config.model, config.quantization)
+        # what serves the model, resolved once here: `auto` is the weights as shipped (a GGUF as stored, a quantized
+        # checkpoint by its method), a quantized checkpoint's own quantization where its config.json names one
+        served = served_quantization(config.model, config.quantization, config.runtime, config.device)
         config = self.config = dataclasses.replace(config, quantization=served)
         model_cfg = load_model_config(config.model)
         cache = config.cache

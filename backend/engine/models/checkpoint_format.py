@@ -23,17 +23,24 @@ def quantization_config(model_dir: str | Path) -> dict | None:
     return json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
 
 
-def served_quantization(model_dir: str | Path, asked: str) -> str:
+def served_quantization(model_dir: str | Path, asked: str, runtime: str = "torch", device: str = "cpu") -> str:
     """The `quantization` that serves `model_dir`: `asked`, or the checkpoint's own method, or `gguf` (module
-    docstring); what does not fit is refused by name."""
+    docstring); what does not fit is refused by name. `auto` (the default) serves the weights as shipped: a folder's
+    GGUF file as stored where the torch runtime runs on the CPU (the default model's folder has one beside the float
+    weights made from it, as llama.cpp and Ollama users expect), a quantized checkpoint by its method, else float."""
     folder = Path(model_dir)
-    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.gguf")):
-        if asked not in ("none", "gguf"):
+    has_gguf = any(folder.glob("*.gguf"))
+    if not any(folder.glob("*.safetensors")) and has_gguf:
+        if asked not in ("auto", "none", "gguf"):
             raise ValueError(f"quantization: {asked} rounds float weights, and {folder} has only a GGUF file: set none "
                              "or gguf")
         return "gguf"
+    if asked == "auto" and has_gguf and (runtime, device) == ("torch", "cpu"):
+        return "gguf"
     qconfig = quantization_config(model_dir)
     if qconfig is None:
+        if asked == "auto":
+            return "none"
         if asked in CHECKPOINT_METHODS:
             raise ValueError(f"quantization: {asked} serves a checkpoint it quantized; {model_dir}/config.json has no "
                              "quantization_config")
@@ -42,7 +49,7 @@ def served_quantization(model_dir: str | Path, asked: str) -> str:
     if method not in CHECKPOINT_METHODS:
         raise ValueError(f"model: {model_dir} is a {method} checkpoint (config.json quantization_config.quant_method);"
                          f" served are {', '.join(CHECKPOINT_METHODS)} checkpoints and GGUF files")
-    if asked not in ("none", method):
+    if asked not in ("auto", "none", method):
         raise ValueError(f"quantization: {asked} rounds a float checkpoint, and {model_dir} is quantized already "
                          f"({method}): set none or {method}")
     if method == compressed_tensors_weights.METHOD:

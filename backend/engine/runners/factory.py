@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     block_size = config.cache.block_size
-    quantization = served_quantization(config.model, config.quantization)
+    quantization = served_quantization(config.model, config.quantization, config.runtime, config.device)
     if config.runtime == "torch" and config.device.startswith("cuda") and config.attention in ("auto", "triton") \
             and quantization in ("none", "int8", "int4") and triton_error(config.attention) is None:
         from backend.engine.runners.cuda_runner import CudaRunner
@@ -27,7 +27,7 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
         from backend.engine.runners.torch_runner import TorchRunner
 
         return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
-                           config.gemm_backend, config.quantization, config.cache.kv_cache_dtype)
+                           config.gemm_backend, quantization, config.cache.kv_cache_dtype)
     if quantization in AS_STORED or (quantization != "none" and config.runtime == "tensorrt"):
         raise ValueError(f"quantization: {quantization} is served by runtime torch"
                          f"{'' if quantization in AS_STORED else ' and onnxruntime'}, not {config.runtime}")
@@ -42,7 +42,7 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
         from backend.engine.runners.onnx_runner import OnnxRunner
 
         return OnnxRunner(config.engine_dir, config.model, config.dtype, num_blocks, block_size, config.device,
-                          config.quantization)
+                          quantization)
     from backend.engine.runners.tensorrt_runner import TensorRTRunner
 
     sched = config.scheduler

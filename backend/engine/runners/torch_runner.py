@@ -58,7 +58,7 @@ class TorchRunner:
                  kv_cache_dtype: str = "auto"):
         self.device = torch.device(device)
         self.attention = resolve_attention(attention, self.device)
-        quantization = served_quantization(model_dir, quantization)
+        quantization = served_quantization(model_dir, quantization, "torch", self.device.type)
         state = stored = None
         if quantization in AS_STORED:
             state, stored = read_stored(model_dir, quantization, load_model_config(model_dir))
