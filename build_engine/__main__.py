@@ -16,7 +16,7 @@ from pathlib import Path
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import kv_pool_blocks
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config
 from backend.engine.runners.base import DTYPES
 from backend.engine.runners.manifest import max_blocks_per_seq
 from backend.serving.model_store import Stages, resolve_model_dir

@@ -34,7 +34,7 @@ from torch import nn
 
 from backend.engine.batch import ModelInput, build_model_input
 from backend.engine.kv_cache import cdiv
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config, refuse_beyond_llama
 from backend.engine.runners.base import DTYPES
 from backend.engine.runners.manifest import (CACHE_INPUT, DYNAMIC_AXES, INPUT_NAMES, MANIFEST_FILE, OUTPUT_NAMES,
                                       EngineManifest, weights_fingerprint)
@@ -107,6 +107,7 @@ def export_engine_dir(model_dir: str | Path, engine_dir: str | Path, dtype: str,
         raise ValueError(f"quantization: the exported graph takes none, int8 or int4, not {quantization!r}")
     if quantization != "none" and dtype != "float32":
         raise ValueError(f"quantization: {quantization} graphs are quantized from float32 weights, not {dtype}")
+    refuse_beyond_llama(load_model_config(model_dir), "the exported graph (ONNX Runtime, TensorRT)")
     engine_dir = Path(engine_dir)
     if engine_dir.exists() and any(engine_dir.iterdir()) and not (engine_dir / MANIFEST_FILE).is_file():
         raise FileExistsError(f"{engine_dir} exists and is not an engine folder; not replacing it")

@@ -36,7 +36,7 @@ from backend.engine.runners.onnx_runner import check_supported
 from backend.serving.model_store import resolve_model_dir
 from build_engine.export_onnx import cached_engine_dir
 from backend.engine.kv_cache import cdiv
-from backend.engine.models.llama import ModelConfig, load_model_config
+from backend.engine.models.config import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence

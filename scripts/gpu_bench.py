@@ -399,7 +399,7 @@ def main() -> None:
     if "elementwise" not in args.skip:
         folder = Path(tempfile.mkdtemp())
         LlamaConfig(**SHAPES["llama-3-8b"]).save_pretrained(folder)
-        from backend.engine.models.llama import load_model_config
+        from backend.engine.models.config import load_model_config
         section("elementwise/llama-3-8b/bfloat16", lambda: elementwise_figures(load_model_config(folder), torch.bfloat16))
     out.write_text(json.dumps(results, indent=1))
     log(f"figures in {out}")

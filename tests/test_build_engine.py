@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from backend.engine.batch import build_model_input
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 from backend.engine.runners.manifest import (DYNAMIC_AXES, INPUT_NAMES, OUTPUT_NAMES, AxisRange, EngineManifest,
                                       EngineMismatchError, TensorRTPlan, axis_maxima)
 from backend.engine.sampling import SamplingParams

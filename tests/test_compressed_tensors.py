@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.compressed_tensors_weights import load_compressed_tensors
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config
 from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, Stacked, as_float
 from backend.engine.runners.gemm import TACTICS
 from backend.engine.runners.torch_runner import TorchRunner

@@ -20,7 +20,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.checkpoint_format import quantization_config
 from backend.engine.models.compressed_tensors_weights import load_compressed_tensors
 from backend.engine.models.gptq_awq_weights import load_gptq_awq
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config
 from backend.engine.models.weight_blocks import InputsPermuted, Q4Blocks, Q8Blocks, Stacked, as_float
 from backend.engine.runners.gemm import TACTICS
 from backend.engine.runners.torch_runner import TorchRunner

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backend.engine import EngineConfig, LLMEngine
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config
 from backend.engine.runners.manifest import DYNAMIC_AXES, INPUT_NAMES, OUTPUT_NAMES, EngineManifest, EngineMismatchError
 from backend.engine.runners.onnx_runner import OnnxRunner
 from backend.engine.runners.torch_runner import TorchRunner

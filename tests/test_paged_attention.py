@@ -12,7 +12,8 @@ import torch
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_quantization import quantize
-from backend.engine.models.llama import KernelLayout, ModelConfig, RowLayout, split_attend
+from backend.engine.models.config import ModelConfig
+from backend.engine.models.llama import DecoderLayer, KernelLayout, RowLayout, split_attend
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
 
@@ -54,8 +55,16 @@ def test_long_decodes_read_in_segments_equal_gather():
     check_kernel_equals_gather(torch.float32, 2e-5, False, (9, 3, 64), LONG_DECODES, 600)
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)])  # Gemma 3's head_dim 256: 32 vectors on AVX2
+@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
+                                               (torch.float32, 2e-5, True)])
+def test_a_sliding_window_equals_gather(dtype, tol, kv_int8, heads):
+    """A sliding layer (the last 9 keys, the query's own included) in decodes, tiles of a chunk and long decodes."""
+    check_kernel_equals_gather(dtype, tol, kv_int8, heads, MIXED + LONG_DECODES[2:], 160, window=9)
+
+
 def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, heads: tuple[int, int, int],
-                               cases: list[tuple[int, int]], num_blocks: int) -> None:
+                               cases: list[tuple[int, int]], num_blocks: int, window: int = 0) -> None:
     H, KVH, D = heads
     CFG = ModelConfig("llama", 100, H * D, 4 * H * D, 1, H, KVH, D, 4096, 1e-5, True, False, ())
     cpu_kernels.load()
@@ -71,9 +80,9 @@ def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, he
 
     rows = RowLayout(t["row_block_tables"], t["row_token_index"], t["positions"][t["row_token_index"]],
                      t["kv_src"], t["kv_dst"], t["token_slot"])
-    expected = rows.attend(q, k, v, cache_k.clone(), cache_v.clone(), CFG)
+    expected = rows.attend(q, k, v, cache_k.clone(), cache_v.clone(), CFG, window)
     kernel = KernelLayout(t["block_tables"], t["query_start"], t["context_lens"], t["slot_mapping"])
-    got = kernel.attend(q, k, v, cache_k, cache_v, CFG)
+    got = kernel.attend(q, k, v, cache_k, cache_v, CFG, window)
 
     assert got.dtype == dtype and got.shape == expected.shape == (T, H * D)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -165,8 +174,9 @@ def test_attend_qkv_is_the_split_the_rotary_and_the_attention(dtype, kv_int8):
     kernel = KernelLayout(t["block_tables"], t["query_start"], t["context_lens"], t["slot_mapping"])
 
     expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]
-    expected, _, _ = split_attend(kernel, expected_qkv, cos, sin, *expected_caches, cfg)
-    got, _, _ = kernel.attend_qkv(qkv, cos, sin, *caches, cfg)
+    layer = DecoderLayer(cfg, 0)
+    expected, _, _ = split_attend(kernel, expected_qkv, cos, sin, *expected_caches, layer)
+    got, _, _ = kernel.attend_qkv(qkv, cos, sin, *caches, layer)
     assert torch.equal(got, expected) and got.shape == (T, Hs * Ds)
     assert torch.equal(qkv, expected_qkv)
     assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches))

@@ -28,7 +28,7 @@ from backend.engine.kv_quantization import row_bytes
 from backend.engine.kv_transfer import ExportedKV, read_blocks, write_blocks
 from backend.engine.lora import LoraAdapter, LoraBatch, LoraRegistry, parse_lora_modules
 from backend.engine.models.checkpoint_format import served_quantization
-from backend.engine.models.llama import ModelConfig, load_model_config
+from backend.engine.models.config import ModelConfig, load_model_config
 from backend.engine.runners.base import Runner, torch_dtype
 from backend.engine.runners.factory import create_runner
 from backend.engine.sampling import (NO_TOKEN, Sampled, SamplerRow, SamplingParams, SamplingState, sample,

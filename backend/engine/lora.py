@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 
 # PEFT's target module -> (the fused Linear of models/llama.py that holds it, its part of that Linear's output; None:
 # all of it, an adapter trained on a fused module, as Phi-3's qkv_proj / gate_up_proj)
@@ -206,6 +206,9 @@ class LoraRegistry:
             raise ValueError(f"LoRA adapter name {name!r}: expected a non-empty name without outer spaces")
         if name in in_use:
             raise ValueError(f"LoRA adapter {name!r} is in use by unfinished requests; it can be replaced after them")
+        if (cfg := self.model_config).num_experts:
+            raise ValueError(f"LoRA adapter {name!r}: adapters on a mixture-of-experts model ({cfg.model_type}) are "
+                             "not served")
         adapter = self._load(name, path, in_use)
         self.paths[name] = str(path)
         if name not in self.task_ids:

@@ -72,13 +72,14 @@ at::Tensor add_rms_norm(const at::Tensor& delta, at::Tensor& residual, const at:
   return out;
 }
 
-// In place on x [T, heads, D] (any row stride): x * cos + rotate_half(x) * sin, cos/sin [T, D] in x's dtype
-// (HF's rotate_half: the first half of each head pairs with the second).
+// In place on x [T, heads, D] (any row stride): x * cos + rotate_half(x) * sin on each head's first R dims, cos/sin
+// [T, R] in x's dtype (HF's rotate_half: the first half of the R pairs with the second; R < D: Phi's partial rotary,
+// the other dims pass).
 template <typename scalar_t>
-void rotate(scalar_t* x, int64_t row_stride, int64_t heads, int64_t D, const scalar_t* cos, const scalar_t* sin,
-            int64_t t) {
-  const int64_t half = D / 2;
-  const scalar_t *c = cos + t * D, *s = sin + t * D;
+void rotate(scalar_t* x, int64_t row_stride, int64_t heads, int64_t D, int64_t R, const scalar_t* cos,
+            const scalar_t* sin, int64_t t) {
+  const int64_t half = R / 2;
+  const scalar_t *c = cos + t * R, *s = sin + t * R;
   for (int64_t h = 0; h < heads; ++h) {
     scalar_t* v = x + t * row_stride + h * D;
     for (int64_t i = 0; i < half; ++i) {
@@ -103,8 +104,8 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
               q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
               "rotary: q, k [T, heads, D] with contiguous heads expected");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
-              cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && q.size(2) % 2 == 0,
-              "rotary: cos, sin [T, D] contiguous expected");
+              cos.size(0) == q.size(0) && cos.size(1) <= q.size(2) && cos.size(1) % 2 == 0,
+              "rotary: cos, sin [T, R] contiguous expected, R <= D even");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
               sin.scalar_type() == q.scalar_type(), "rotary: q, k, cos and sin must share a dtype");
   dispatch(q, "rotary", [&](auto tag) {
@@ -113,9 +114,30 @@ void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tenso
     const scalar_t *pc = cos.data_ptr<scalar_t>(), *ps = sin.data_ptr<scalar_t>();
     at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        rotate(pq, q.stride(0), q.size(1), q.size(2), pc, ps, t);
-        rotate(pk, k.stride(0), k.size(1), k.size(2), pc, ps, t);
+        rotate(pq, q.stride(0), q.size(1), q.size(2), cos.size(1), pc, ps, t);
+        rotate(pk, k.stride(0), k.size(1), k.size(2), cos.size(1), pc, ps, t);
       }
+    });
+  });
+}
+
+// In place on x [T, heads, D] (contiguous heads, any row stride): each head's D values RMS-normed by weight [D], as
+// HF's per-head q_norm / k_norm (Qwen3, Gemma 3 with its 1 + w folded into the weight at load). Called by attend_qkv.
+void head_rms_norm(at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && weight.dim() == 1 &&
+              weight.size(0) == x.size(2) && weight.scalar_type() == x.scalar_type(),
+              "head_rms_norm: x [T, heads, D] with contiguous heads and weight [D] of its dtype expected");
+  dispatch(x, "head_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* px = x.data_ptr<scalar_t>();
+    const scalar_t* pw = weight.data_ptr<scalar_t>();
+    const int64_t heads = x.size(1), D = x.size(2);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* row = px + t * x.stride(0) + h * D;
+          rms_norm_row(row, pw, row, D, static_cast<float>(eps));
+        }
     });
   });
 }

@@ -26,6 +26,7 @@
 
 namespace llm_kernels {
 void rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);  // fused_ops.cpp
+void head_rms_norm(at::Tensor& x, const at::Tensor& weight, double eps);                     // fused_ops.cpp
 }
 
 namespace {
@@ -35,6 +36,7 @@ using namespace llm_kernels;
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_ctx;
   float scale;
+  int64_t window;  // a sliding window: a query at position p sees keys p - window + 1 .. p; 0: all keys up to p
 };
 
 // x[0..n) -> exp(x - max x) in place; returns their sum. Whole vectors, then the last n % kLanes lanes.
@@ -89,12 +91,11 @@ constexpr int64_t kSegmentBytes = 256 * 1024;
 template <typename scalar_t, int V>
 void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                   const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                  int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets,
+                  int64_t lo, int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets,
                   float* __restrict acc) {
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes;
   const int64_t BS = shape.block_size, row = KVH * D;
-  for (int64_t j0 = 0, b = 0; j0 < n; j0 += BS, ++b)
-    for (int64_t j = j0; j < std::min(j0 + BS, n); ++j) offsets[j] = (table[b] * BS + j - j0) * row;
+  for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
   // keys per segment: a multiple of 16 (whole sum16 groups, whole p.v pairs)
   const int64_t segment = std::max<int64_t>(16, kSegmentBytes / (row * sizeof(scalar_t)) / 16 * 16);
   // the rows of keys j0..j1-1 into cache: a block's rows are contiguous; kStreams blocks at a time, a line of each in
@@ -119,7 +120,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
     (void)sink;
   };
 
-  for (int64_t s0 = 0; s0 < n; s0 += segment) {
+  for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(k_cache, s0, s1);
     for (int64_t h = 0; h < H; ++h) {
@@ -147,8 +148,8 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 
   float *__restrict acc1 = acc + H * D, *__restrict inv = acc + 2 * H * D;  // two chains of FMAs: keys j and j + 1
   std::fill(acc, acc + 2 * H * D, 0.f);
-  for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / softmax(scores + h * shape.max_ctx, n);
-  for (int64_t s0 = 0; s0 < n; s0 += segment) {
+  for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo);
+  for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(v_cache, s0, s1);
     for (int64_t h = 0; h < H; ++h) {
@@ -185,8 +186,8 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 template <typename scalar_t, typename cache_t, int V>
 void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restrict k_cache,
                           const cache_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                          int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets,
-                          float* __restrict rows, float* __restrict acc) {
+                          int64_t lo, int64_t n, const Shape& shape, float* __restrict scores,
+                          int64_t* __restrict offsets, float* __restrict rows, float* __restrict acc) {
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, W = D + (kInt8 ? 4 : 0);
 #if defined(__AVX512BF16__)
@@ -198,8 +199,7 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
   constexpr bool kPairDots = false;
 #endif
   const int64_t BS = shape.block_size, row = KVH * W;
-  for (int64_t j0 = 0, b = 0; j0 < n; j0 += BS, ++b)
-    for (int64_t j = j0; j < std::min(j0 + BS, n); ++j) offsets[j] = (table[b] * BS + j - j0) * row;
+  for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
   const auto widen = [&](const cache_t* __restrict head, int64_t j0, int64_t m) {  // keys j0.. of one KV head
     for (int64_t i = 0; i < m; ++i) {
       if (j0 + 32 + i < n) {  // two chunks ahead, the row's first and last cache lines: 1.2x on the Xeon at 16 x 1024
@@ -214,7 +214,7 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
   };
 
   for (int64_t kh = 0; kh < KVH; ++kh) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    for (int64_t j0 = lo; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       if constexpr (kPairDots) {  // the keys stay bfloat16; prefetched as widen() would
         for (int64_t i = 0; i < m && j0 + 32 + i < n; ++i) {
@@ -263,10 +263,10 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
     }
     std::fill(acc, acc + G * D, 0.f);
     for (int64_t g = 0; g < G; ++g) {
-      const float inv = 1.f / softmax(scores + g * shape.max_ctx, n);
-      for (int64_t j = 0; j < n; ++j) scores[g * shape.max_ctx + j] *= inv;
+      const float inv = 1.f / softmax(scores + g * shape.max_ctx + lo, n - lo);
+      for (int64_t j = lo; j < n; ++j) scores[g * shape.max_ctx + j] *= inv;
     }
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    for (int64_t j0 = lo; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       widen(v_cache + kh * W, j0, m);
       for (int64_t g = 0; g < G; ++g) {
@@ -404,10 +404,11 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
   by_rows(R, [&](auto mr, int64_t r0) {
     qk_rows<decltype(mr)::value>(qs + r0 * D, D, sc.kt.get(), blocks, scores + r0 * stride, stride);
   });
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = n_first + r / G;
+  for (int64_t r = 0; r < R; ++r) {  // row r sees keys lo..n - 1: p is zero elsewhere
+    const int64_t n = n_first + r / G, lo = shape.window ? std::max<int64_t>(0, n - shape.window) : 0;
     float* s = scores + r * stride;
-    sc.inv[r] = 1.f / softmax(s, n);
+    sc.inv[r] = 1.f / softmax(s + lo, n - lo);
+    std::fill(s, s + lo, 0.f);
     std::fill(s + n, s + n_max, 0.f);
   }
   constexpr int DV = V < kPV ? V : kPV;
@@ -529,7 +530,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
   const int64_t HD = shape.num_heads * shape.head_dim, group = shape.num_heads / shape.num_kv_heads;
 #if defined(LLM_AMX)
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
-  const bool amx = kBf16 && shape.head_dim % 32 == 0 && amx_permitted();
+  const bool amx = kBf16 && shape.head_dim % 32 == 0 && shape.window == 0 && amx_permitted();
 #else
   const bool amx = false;
 #endif
@@ -600,13 +601,14 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t i; (i = queue.take(thread)) >= 0;) {
         const int64_t s = singles[i].seq, t = singles[i].token;
-        const int64_t n = context_lens[s] - (query_start[s + 1] - 1 - t);  // its visible keys
+        const int64_t n = context_lens[s] - (query_start[s + 1] - 1 - t);  // it sees keys lo..n - 1
+        const int64_t lo = shape.window ? std::max<int64_t>(0, n - shape.window) : 0;
         const int64_t* table = block_tables + s * shape.max_blocks;
         if constexpr (!std::is_same_v<cache_t, float>)
-          attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape,
+          attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape,
                                                      scores.data(), offsets.data(), rows.data(), acc.data());
         else
-          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, n, shape, scores.data(),
+          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape, scores.data(),
                                     offsets.data(), acc.data());
       }
     });
@@ -617,7 +619,8 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     case 4: token(std::integral_constant<int, 4>{}); break;
     case 8: token(std::integral_constant<int, 8>{}); break;
     case 16: token(std::integral_constant<int, 16>{}); break;
-    default: TORCH_CHECK(false, "paged_attention: head_dim ", shape.head_dim, " is not 1, 2, 4, 8 or 16 vectors of ",
+    case 32: token(std::integral_constant<int, 32>{}); break;  // head_dim 256 (Gemma 3) on AVX2
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", shape.head_dim, " is not 1, 2, 4, 8, 16 or 32 vectors of ",
                          kLanes, " floats");
   }
 }
@@ -627,7 +630,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale,
-                           const std::optional<at::Tensor>& prompt_lens) {
+                           const std::optional<at::Tensor>& prompt_lens, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_attention: bad shapes");
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -640,13 +643,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: index tensors must be int64");
   TORCH_CHECK(!prompt_lens || (prompt_lens->scalar_type() == at::kLong && prompt_lens->numel() == context_lens.numel()),
               "paged_attention: prompt_lens [S] int64");
+  TORCH_CHECK(window >= 0, "paged_attention: window >= 0 (0: none)");
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const auto bt = block_tables.contiguous(), qs = query_start.contiguous(), cl = context_lens.contiguous();
   const auto pl = prompt_lens ? prompt_lens->contiguous() : at::Tensor();
   auto out = at::empty_like(qc);
   dispatch(q, "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    const Shape shape{qc.size(1), kc.size(2), qc.size(2), kc.size(1), bt.size(1), 1, static_cast<float>(scale)};
+    const Shape shape{qc.size(1), kc.size(2), qc.size(2), kc.size(1), bt.size(1), 1, static_cast<float>(scale),
+                      window};
     const auto run = [&](auto* k, auto* v) {
       attend(qc.data_ptr<scalar_t>(), k, v, out.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), qs.data_ptr<int64_t>(),
              cl.data_ptr<int64_t>(), pl.defined() ? pl.data_ptr<int64_t>() : nullptr, cl.size(0), shape);
@@ -721,31 +726,38 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k, a
 at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
-                            const std::optional<at::Tensor>& prompt_lens) {
+                            const std::optional<at::Tensor>& prompt_lens, int64_t window) {
   if (k_cache.scalar_type() == at::kChar) {
     write_int8_rows(k, k_cache, slot_mapping);
     write_int8_rows(v, v_cache, slot_mapping);
   } else {
     write_rows(k, v, k_cache, v_cache, slot_mapping);
   }
-  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, prompt_lens);
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, prompt_lens, window);
 }
 
-// A decoder layer's attention from its fused qkv projection [T, (H + 2 KVH) D]: rotary on q and k in place, then
-// write_and_attend; returns [T, H D]. One call where the split, views, rotary, write and attention were eight
-// dispatches from Python, ~1.5 us each, 30 layers a step.
+// A decoder layer's attention from its fused qkv projection [T, (H + 2 KVH) D]: q and k RMS-normed per head where the
+// model has q_norm / k_norm (Qwen3, Gemma 3), rotary on q and k in place (on the first cos.size(1) dims of each head:
+// Phi's partial rotary), then write_and_attend; returns [T, H D]. One call where the split, views, norms, rotary,
+// write and attention were eight or more dispatches from Python, ~1.5 us each, every layer of every step.
 at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                       at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start, const at::Tensor& context_lens, int64_t num_heads, double scale,
-                      const std::optional<at::Tensor>& prompt_lens) {
-  const int64_t T = qkv.size(0), KVH = k_cache.size(2), D = cos.size(-1);
+                      const std::optional<at::Tensor>& prompt_lens, const std::optional<at::Tensor>& q_norm,
+                      const std::optional<at::Tensor>& k_norm, double eps, int64_t window) {
+  const int64_t T = qkv.size(0), KVH = k_cache.size(2), D = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? 4 : 0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * KVH) * D, "attend_qkv: qkv [T, (H + 2 KVH) D]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "attend_qkv: q_norm and k_norm go together");
   auto q = qkv.narrow(1, 0, num_heads * D).view({T, num_heads, D});
   auto k = qkv.narrow(1, num_heads * D, KVH * D).view({T, KVH, D});
   const auto v = qkv.narrow(1, (num_heads + KVH) * D, KVH * D).view({T, KVH, D});
+  if (q_norm) {
+    llm_kernels::head_rms_norm(q, *q_norm, eps);
+    llm_kernels::head_rms_norm(k, *k_norm, eps);
+  }
   llm_kernels::rotary(q, k, cos, sin);
   return write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start, context_lens, scale,
-                          prompt_lens)
+                          prompt_lens, window)
       .view({T, num_heads * D});
 }
 
@@ -754,11 +766,13 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("attend_qkv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, int num_heads, "
-        "float scale, Tensor? prompt_lens=None) -> Tensor");
+        "float scale, Tensor? prompt_lens=None, Tensor? q_norm=None, Tensor? k_norm=None, float eps=1e-6, "
+        "int window=0) -> Tensor");
   m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale, Tensor? prompt_lens=None) -> Tensor");
+        "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale, Tensor? prompt_lens=None, "
+        "int window=0) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor context_lens, float scale, Tensor? prompt_lens=None) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? prompt_lens=None, int window=0) -> Tensor");
   m.def("write_int8_rows(Tensor x, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("write_rows(Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slot_mapping) -> ()");
 }

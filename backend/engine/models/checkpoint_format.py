@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.models import compressed_tensors_weights, gguf_weights, gptq_awq_weights
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 from backend.engine.models.weight_blocks import Weight
 
 CHECKPOINT_METHODS = (compressed_tensors_weights.METHOD, *gptq_awq_weights.METHODS)

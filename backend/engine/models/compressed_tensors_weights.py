@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backend.engine.models.llama import ModelConfig, fused_linears
+from backend.engine.models.config import ModelConfig
+from backend.engine.models.llama import fused_linears
 from backend.engine.models.weight_blocks import BLOCK, Q4Blocks, Q8Blocks, Weight, cat_rows
 
 METHOD = "compressed-tensors"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 from backend.engine.models.weight_blocks import STORED, Blocks, Weight, cat_rows, from_gguf, rows_of, take_rows
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.models.compressed_tensors_weights import blocks, read_state, stored_linears, unpack
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 from backend.engine.models.weight_blocks import InputsPermuted, Q4Blocks, Q8Blocks, Weight
 
 METHODS = ("gptq", "awq")

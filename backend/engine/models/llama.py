@@ -1,4 +1,7 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) with a ragged, paged forward.
+"""The decoder every served family runs (models/config.py: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the
+Qwen3-MoE and Mixtral mixtures of experts: models/moe.py), with a ragged, paged forward. A family's differences are
+its ModelConfig's data: q/k norms, the MLP's activation, Gemma's norms around each sublayer and scaled embeddings,
+sliding windows per layer, a partial rotary, rope tables per layer kind, experts in place of the MLP.
 
 `PagedLlama.forward` is one tensor function over a flat batch of tokens from many sequences: no
 padding per sequence, no Python loop over sequences, no shape computed from data. That is what
@@ -23,7 +26,6 @@ keys at positions 0..C-1, C = blocks per row * block_size. A query at position p
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,90 +35,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from backend.engine.kv_quantization import as_stored, dequantize
+from backend.engine.models.config import FULL, SLIDING, ModelConfig, load_model_config, rope_tables
+from backend.engine.models.layers import Linear, RMSNorm
+from backend.engine.models.moe import CHECKPOINT_NAMES, MoE
 from backend.engine.models.weight_blocks import Weight, shape_of
-
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: tuple[int, ...]
-
-
-def _hf_config(model_dir: str | Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    hf = _hf_config(model_dir)
-    if hf.model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type {hf.model_type!r} is not supported (supported: {SUPPORTED_TYPES})")
-    eos = hf.eos_token_id
-    gen_path = Path(model_dir) / "generation_config.json"
-    if gen_path.exists():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    max_pos = hf.max_position_embeddings
-    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        max_pos = min(max_pos, hf.sliding_window)  # full attention is exact up to the window
-    return ModelConfig(
-        model_type=hf.model_type,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=hf.rms_norm_eps,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
-        attention_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        eos_token_ids=eos_ids,
-    )
-
-
-def rope_tables(model_dir: str | Path, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_positions, head_dim] in float32, computed exactly as HF does (all RoPE types
-    HF supports at init: default, linear, llama3, yarn, ...)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rotary = LlamaRotaryEmbedding(_hf_config(model_dir))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rotary.inv_freq.float())
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose GEMM the PyTorch runner may replace by a tactic measured on this CPU (runners/gemm.py);
-    without one it is `F.linear`, which is what the exported graph runs."""
-
-    gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) if self.gemm is None else self.gemm(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
 
 class TorchOps:
     """The elementwise ops around the GEMMs as torch ops: HF's math, the reference, and what the exported
@@ -135,10 +57,13 @@ class TorchOps:
         residual = residual + delta
         return residual, cls.rms_norm(residual, norm)
 
-    @staticmethod
-    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+    @classmethod
+    def rotary(cls, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D] rotated by cos/sin [T, D] (HF's rotate_half convention)."""
+        """q [T, H, D], k [T, KVH, D] rotated by cos/sin [T, R] (HF's rotate_half convention) on their first R dims."""
+        if (rot := cos.shape[-1]) < q.shape[-1]:  # partial rotary: the other dims pass
+            q_rot, k_rot = cls.rotary(q[..., :rot], k[..., :rot], cos, sin)
+            return torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
@@ -146,6 +71,12 @@ class TorchOps:
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's GeGLU: HF's gelu_pytorch_tanh of gate, times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.gelu(gate, approximate="tanh") * up
 
 
 class KernelOps:
@@ -169,6 +100,8 @@ class KernelOps:
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.llm_kernels.silu_mul(gate_up)
+
+    gelu_tanh_mul = TorchOps.gelu_tanh_mul
 
 
 class TritonOps:
@@ -202,6 +135,8 @@ class TritonOps:
 
         return triton_ops.silu_mul(gate_up)
 
+    gelu_tanh_mul = TorchOps.gelu_tanh_mul
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -209,6 +144,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # DecoderLayer.linears, by name
+GATED = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}  # the MLP's activation -> its op
 
 
 def _with_lora(call: Callable[[torch.Tensor], torch.Tensor], lora, index: int, name: str,
@@ -217,17 +153,27 @@ def _with_lora(call: Callable[[torch.Tensor], torch.Tensor], lora, index: int, n
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.index = cfg, index
+        self.window = cfg.window(index)
+        self.rope_kind = cfg.layer_type(index) if cfg.family.gemma else FULL  # Gemma's sliding layers: their own rope
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
-        self.o_proj = Linear(q, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.linears = tuple(getattr(self, name) for name in PROJECTIONS)  # a tuple: not registered again
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention's output; these the MLP's
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.moe = MoE(cfg) if index in cfg.moe_layers else None
+        if self.moe is None:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.linears = tuple(getattr(self, name) for name in PROJECTIONS if hasattr(self, name))  # not registered again
 
     def projections(self, lora, index: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """The layer's Linears as callables: each one's GEMM tactic as is, not through nn.Module's call (with the
@@ -235,7 +181,7 @@ class DecoderLayer(nn.Module):
         nodes, which build_engine/quantize_onnx.py maps back to the Linears; `lora`'s deltas added."""
         if torch.compiler.is_compiling():
             return list(self.linears)
-        calls = [linear if linear.gemm is None else linear.gemm for linear in self.linears]
+        calls = [linear.call for linear in self.linears]
         if lora is None:
             return calls
         return [functools.partial(_with_lora, call, lora, index, name) for call, name in zip(calls, PROJECTIONS)]
@@ -245,22 +191,39 @@ class DecoderLayer(nn.Module):
         """x: the residual stream, h: its input_layernorm. Returns the stream after this layer, its norm by
         `next_norm` (the next layer's input_layernorm, or the final norm), and this layer's new K and V. `lora`
         (lora.LoraBatch, eager only) adds its adapters' deltas to the Linears of layer `index`."""
-        qkv, o, gate_up, down = self.projections(lora, index)
-        attn, k, v = rows.attend_qkv(qkv(h), cos, sin, layer_cache_k, layer_cache_v, self.cfg)
-        x, h = ops.add_rms_norm(o(attn), x, self.post_attention_layernorm)
-        x, h = ops.add_rms_norm(down(ops.silu_mul(gate_up(h))), x, next_norm)
+        qkv, o, *mlp = self.projections(lora, index)
+        attn, k, v = rows.attend_qkv(qkv(h), cos, sin, layer_cache_k, layer_cache_v, self)
+        if self.cfg.sandwich_norms:
+            x, h = ops.add_rms_norm(ops.rms_norm(o(attn), self.post_attention_layernorm), x,
+                                    self.pre_feedforward_layernorm)
+            x, h = ops.add_rms_norm(ops.rms_norm(self.mlp(h, mlp, ops), self.post_feedforward_layernorm), x, next_norm)
+        else:
+            x, h = ops.add_rms_norm(o(attn), x, self.post_attention_layernorm)
+            x, h = ops.add_rms_norm(self.mlp(h, mlp, ops), x, next_norm)
         return x, h, k, v
+
+    def mlp(self, h: torch.Tensor, projections: list[Callable[[torch.Tensor], torch.Tensor]], ops) -> torch.Tensor:
+        gated = getattr(ops, GATED[self.cfg.activation])
+        if self.moe is not None:
+            return self.moe(h, gated)
+        gate_up, down = projections
+        return down(gated(gate_up(h)))
 
 
 def split_attend(rows: RowLayout | TritonLayout, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cache_k: torch.Tensor, cache_v: torch.Tensor, cfg: ModelConfig):
-    """A layout's attend_qkv: q, k, v of the fused projection qkv [T, (H + 2 KVH) D], q and k rotated by the
-    layout's ops, then its attend. Returns (attention [T, H D], the new k and v [T, KVH, D])."""
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, layer: DecoderLayer):
+    """A layout's attend_qkv: q, k, v of the fused projection qkv [T, (H + 2 KVH) D], q and k normed per head (where
+    the model has q/k norms) and rotated by the layout's ops, then its attend. Returns (attention [T, H D], the new k
+    and v [T, KVH, D])."""
+    cfg = layer.cfg
     T, H, KVH, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = qkv.split_with_sizes([H * D, KVH * D, KVH * D], dim=-1)
-    q, k = rows.ops.rotary(q.view(T, H, D), k.view(T, KVH, D), cos, sin)
-    v = v.view(T, KVH, D)
-    return rows.attend(q, k, v, cache_k, cache_v, cfg), k, v
+    q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+    if cfg.qk_norm:
+        q = rows.ops.rms_norm(q.reshape(T * H, D), layer.q_norm).view(T, H, D)
+        k = rows.ops.rms_norm(k.reshape(T * KVH, D), layer.k_norm).view(T, KVH, D)
+    q, k = rows.ops.rotary(q, k, cos, sin)
+    return rows.attend(q, k, v, cache_k, cache_v, cfg, layer.window), k, v
 
 
 @dataclass
@@ -276,8 +239,8 @@ class RowLayout:
     ops = TorchOps
     attend_qkv = split_attend
 
-    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
-        return _gather_attention(q, k, v, cache_k, cache_v, self, cfg)
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0) -> torch.Tensor:
+        return _gather_attention(q, k, v, cache_k, cache_v, self, cfg, window)
 
 
 @dataclass
@@ -291,16 +254,18 @@ class KernelLayout:
     prompt_lens: torch.Tensor | None = None  # [S]: prompt tokens attend in tiles, the rest one by one (the kernel's doc)
     ops = KernelOps
 
-    def attend_qkv(self, qkv, cos, sin, cache_k, cache_v, cfg: ModelConfig):
+    def attend_qkv(self, qkv, cos, sin, cache_k, cache_v, layer: DecoderLayer):
         """split_attend in one kernel call (llm_kernels.attend_qkv); the new K/V are in the cache, not returned."""
-        return torch.ops.llm_kernels.attend_qkv(qkv, cos, sin, cache_k, cache_v, self.slot_mapping, self.block_tables,
-                                                self.query_start, self.context_lens, cfg.num_heads,
-                                                cfg.head_dim ** -0.5, self.prompt_lens), None, None
+        cfg = layer.cfg
+        return torch.ops.llm_kernels.attend_qkv(
+            qkv, cos, sin, cache_k, cache_v, self.slot_mapping, self.block_tables, self.query_start, self.context_lens,
+            cfg.num_heads, cfg.scale, self.prompt_lens, layer.q_norm.weight if cfg.qk_norm else None,
+            layer.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, layer.window), None, None
 
-    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0) -> torch.Tensor:
         out = torch.ops.llm_kernels.write_and_attend(q, k, v, cache_k, cache_v, self.slot_mapping, self.block_tables,
-                                                     self.query_start, self.context_lens, cfg.head_dim ** -0.5,
-                                                     self.prompt_lens)
+                                                     self.query_start, self.context_lens, cfg.scale,
+                                                     self.prompt_lens, window)
         return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
@@ -318,16 +283,18 @@ class TritonLayout:
     ops = TritonOps
     attend_qkv = split_attend
 
-    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig) -> torch.Tensor:
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0) -> torch.Tensor:
         from backend.engine.kernels.triton_attention import paged_attention, write_kv
+
+        assert window == 0, "the GPU kernels have no sliding window (the CUDA runner refuses such models at load)"
 
         write_kv(k, v, cache_k, cache_v, self.slot_mapping)
         out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
-                              cfg.head_dim ** -0.5, self.max_query_len, self.segments)
+                              cfg.scale, self.max_query_len, self.segments)
         return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
-def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig):
+def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig, window: int = 0):
     KVH, D = cfg.num_kv_heads, cfg.head_dim
     R, B = rows.block_tables.shape
     Q = rows.token_index.shape[1]
@@ -341,28 +308,38 @@ def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConf
     keys.index_copy_(0, rows.kv_dst, k[rows.kv_src])
     values = values.reshape(R * C, KVH, D)
     values.index_copy_(0, rows.kv_dst, v[rows.kv_src])
-    visible = torch.arange(C, device=q.device).view(1, 1, C) <= rows.query_positions.unsqueeze(-1)  # [R, Q, C]
+    keys_at = torch.arange(C, device=q.device).view(1, 1, C)
+    visible = keys_at <= rows.query_positions.unsqueeze(-1)  # [R, Q, C]
+    if window:  # a sliding layer: the last `window` keys, the query's own included
+        visible = visible & (keys_at > rows.query_positions.unsqueeze(-1) - window)
     # Fused attention on strided views: no score tensor, no layout copies (4.5x the unfused version here).
     out = nn.functional.scaled_dot_product_attention(
         q[rows.token_index].transpose(1, 2),  # [R, H, Q, D]
         keys.view(R, C, KVH, D).transpose(1, 2),  # [R, KVH, C, D]
         values.view(R, C, KVH, D).transpose(1, 2),
         attn_mask=visible.unsqueeze(1),
+        scale=cfg.scale,
         enable_gqa=True,
     )  # [R, H, Q, D]
     return out.transpose(1, 2).reshape(R * Q, cfg.num_heads * D)[rows.token_slot]
 
 
 class PagedLlama(nn.Module):
-    def __init__(self, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", ropes[FULL][0], persistent=False)
+        self.register_buffer("rope_sin", ropes[FULL][1], persistent=False)
+        if SLIDING in ropes:  # Gemma's sliding layers turn by a rope of their own
+            self.register_buffer("rope_cos_sliding", ropes[SLIDING][0], persistent=False)
+            self.register_buffer("rope_sin_sliding", ropes[SLIDING][1], persistent=False)
+        # Gemma's embeddings times sqrt(hidden), as HF a float32 first
+        self.register_buffer("embed_scale", None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale),
+                             persistent=False)
 
     def forward(
         self,
@@ -388,20 +365,27 @@ class PagedLlama(nn.Module):
                                    token_slot)
         ops = rows.ops
         x = self.embed_tokens(token_ids)
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
+        ropes = {FULL: (self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype))}
+        if hasattr(self, "rope_cos_sliding"):
+            ropes[SLIDING] = (self.rope_cos_sliding[positions].to(x.dtype), self.rope_sin_sliding[positions].to(x.dtype))
         layers = list(self.layers)  # not self.layers[1:]: a ModuleList's slice is a new ModuleList, 29 add_module calls
         h = ops.rms_norm(x, layers[0].input_layernorm)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         new_kv = []
         for i, layer in enumerate(layers):
             layer_kv = kv_cache[i]
+            cos, sin = ropes[layer.rope_kind]
             x, h, k, v = layer(x, h, norms[i], cos, sin, layer_kv[0], layer_kv[1], rows, ops, lora, i)
             if kernel is None:
                 new_kv.append(torch.stack((k, v)))
             if between_layers is not None and i + 1 < len(layers):
                 between_layers()
-        return self.lm_head(h[logits_index]).float(), torch.stack(new_kv) if new_kv else None
+        logits = self.lm_head(h[logits_index]).float()
+        if (cap := self.cfg.final_logit_softcapping) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits, torch.stack(new_kv) if new_kv else None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -413,26 +397,49 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def fused_linears(cfg: ModelConfig) -> dict[str, list[str]]:
     """PagedLlama's Linears (q/k/v and gate/up fused) -> the HF modules they are made of, in order (HF names without
-    their `model.` prefix)."""
+    their `model.` prefix). Phi's checkpoints hold them fused already; a mixture of experts' layers have an expert's
+    gate/up and down in place of the MLP's (models/moe.py)."""
     out = {"lm_head": ["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]}
+    fused_in_checkpoint = cfg.model_type == "phi3"
     for i in range(cfg.num_layers):
         a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        out[f"layers.{i}.qkv_proj"] = [a + n + "_proj" for n in "qkv"]
+        out[f"layers.{i}.qkv_proj"] = [a + "qkv_proj"] if fused_in_checkpoint else [a + n + "_proj" for n in "qkv"]
         out[f"layers.{i}.o_proj"] = [a + "o_proj"]
-        out[f"layers.{i}.gate_up_proj"] = [m + "gate_proj", m + "up_proj"]
-        out[f"layers.{i}.down_proj"] = [m + "down_proj"]
+        if i in cfg.moe_layers:
+            prefix, _, (gate, up, down) = CHECKPOINT_NAMES[cfg.family.moe]
+            for e in range(cfg.num_experts):
+                expert = f"layers.{i}.{prefix}experts.{e}."
+                out[f"layers.{i}.moe.experts.{e}.gate_up_proj"] = [expert + gate, expert + up]
+                out[f"layers.{i}.moe.experts.{e}.down_proj"] = [expert + down]
+        else:
+            out[f"layers.{i}.gate_up_proj"] = [m + "gate_up_proj"] if fused_in_checkpoint else [m + "gate_proj",
+                                                                                              m + "up_proj"]
+            out[f"layers.{i}.down_proj"] = [m + "down_proj"]
+    return out
+
+
+def layer_norms(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """Layer i's RMSNorms: PagedLlama's name -> HF's (without `model.`)."""
+    p = f"layers.{i}."
+    names = ["input_layernorm", "post_attention_layernorm"]
+    names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if cfg.sandwich_norms else []
+    out = {p + n: p + n for n in names}
+    if cfg.qk_norm:
+        out.update({p + "q_norm": p + "self_attn.q_norm", p + "k_norm": p + "self_attn.k_norm"})
     return out
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-               state: dict[str, torch.Tensor] | None = None, stored: Mapping[str, Weight] | None = None) -> PagedLlama:
+               state: dict[str, torch.Tensor] | None = None, stored: Mapping[str, Weight] | None = None,
+               max_positions: int | None = None) -> PagedLlama:
     """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load), or from the folder's
     config and an HF `state` dict already in memory (a GPU benchmark's random weights, never written to disk). The
     Linears named in `stored` (a quantized checkpoint's, which `state` lacks), and `embed_tokens` if there (a GGUF's),
-    get a weight of no bytes, a zero expanded to their shape: runners/gemm.py serves them from `stored` and drops it."""
+    get a weight of no bytes, a zero expanded to their shape: runners/gemm.py serves them from `stored` and drops it.
+    Rope tables cover `max_positions` (the KV pool's tokens: no sequence gets further), at most the model's length."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
-    cos, sin = rope_tables(model_dir, cfg.max_position_embeddings)
+    ropes = rope_tables(model_dir, cfg, min(cfg.max_position_embeddings, max_positions or cfg.max_position_embeddings))
     if state is None:
         state = {}
         for f in _weight_files(model_dir):
@@ -452,10 +459,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         p = f"layers.{i}."
         if cfg.attention_bias:
             fused[p + "qkv_proj.bias"] = torch.cat([state[p + "self_attn." + n + "_proj.bias"] for n in "qkv"])
-        fused[p + "input_layernorm.weight"] = state[p + "input_layernorm.weight"]
-        fused[p + "post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+        if cfg.o_proj_bias:
+            fused[p + "o_proj.bias"] = state[p + "self_attn.o_proj.bias"]
+        fused.update({ours + ".weight": state[hf + ".weight"] for ours, hf in layer_norms(cfg, i).items()})
+        if i in cfg.moe_layers:
+            prefix, router, _ = CHECKPOINT_NAMES[cfg.family.moe]
+            fused[p + "moe.router"] = state[p + prefix + router + ".weight"]
+    if cfg.family.gemma:  # Gemma's RMSNorms scale by 1 + w, as HF computes it (in float32)
+        fused.update({k: 1.0 + v.float() for k, v in fused.items() if k.endswith("norm.weight")})
     with torch.device("meta"):
-        model = PagedLlama(cfg, cos, sin)
+        model = PagedLlama(cfg, ropes)
     model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=True, assign=True)
-    model.rope_cos, model.rope_sin = cos, sin
+    model.rope_cos, model.rope_sin = ropes[FULL]
+    if SLIDING in ropes:
+        model.rope_cos_sliding, model.rope_sin_sliding = ropes[SLIDING]
+    if cfg.embed_scale is not None:
+        model.embed_scale = torch.tensor(cfg.embed_scale)
     return model.to(device).eval().requires_grad_(False)

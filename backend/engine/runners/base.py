@@ -18,7 +18,7 @@ import torch
 
 from backend.engine.batch import ModelInput
 from backend.engine.kv_quantization import SCALE_BYTES, quantize
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

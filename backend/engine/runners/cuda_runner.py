@@ -26,6 +26,7 @@ import torch
 
 from backend.engine.batch import ModelInput
 from backend.engine.kernels.triton_attention import multiprocessors, segments_for
+from backend.engine.models.config import load_model_config, refuse_beyond_llama
 from backend.engine.models.llama import PagedLlama, TritonLayout, load_model
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype
 from backend.engine.runners.gemm import use_tactics
@@ -67,6 +68,7 @@ class CudaRunner:
     def load(cls, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, max_num_seqs: int,
              max_model_len: int | None = None, cuda_graphs: bool = True, device: str = "cuda",
              gemm_backend: str = "auto", quantization: str = "none") -> CudaRunner:
+        refuse_beyond_llama(load_model_config(model_dir), "device cuda (the GPU kernels)")
         return cls(load_model(model_dir, torch_dtype(dtype), device), num_blocks, block_size, max_num_seqs,
                    max_model_len, cuda_graphs, gemm_backend, quantization)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from backend.engine.batch import GRAPH_INPUTS
 from backend.engine.kv_cache import cdiv
-from backend.engine.models.llama import ModelConfig
+from backend.engine.models.config import ModelConfig
 
 MANIFEST_FILE = "manifest.json"
 CACHE_INPUT = "kv_cache"

@@ -17,7 +17,7 @@ import torch
 from onnx import TensorProto
 
 from backend.engine.batch import ModelInput
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config
 from backend.engine.runners.base import allocate_kv_cache, graph_outputs, torch_dtype, write_new_kv
 from backend.engine.runners.manifest import CACHE_INPUT, OUTPUT_NAMES, EngineManifest
 

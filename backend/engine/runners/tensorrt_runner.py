@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.batch import ModelInput
-from backend.engine.models.llama import load_model_config
+from backend.engine.models.config import load_model_config
 from backend.engine.runners.base import allocate_kv_cache, graph_outputs, torch_dtype, write_new_kv
 from backend.engine.runners.manifest import (CACHE_INPUT, INPUT_NAMES, OUTPUT_NAMES, EngineManifest, EngineMismatchError,
                                       axis_maxima, max_blocks_per_seq)

@@ -1,0 +1,66 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral): a softmax router picks `num_experts_per_tok` of `num_experts`
+gated MLPs for each token (their weights renormalized over the chosen where the model says: Mixtral always, Qwen3-MoE
+with norm_topk_prob), and the token's output is their weighted sum.
+
+On the CPU, the tokens are grouped by expert (one stable sort of the (token, choice) pairs) and each expert with a
+token runs one GEMM pair over its rows, as llama.cpp's ggml_mul_mat_id does (vLLM's fused_moe sorts the same way on
+the GPU), not a loop over tokens; an expert's Linears take GEMM tactics like any other Linear, int8/int4 included. The
+router stays a float weight (llama.cpp keeps ffn_gate_inp in F32 too): its top-k is where a rounding would change
+which experts run. Each token's outputs are added in ascending expert order into zeros, as HF's loop over the experts
+hit does, so float32 sums round as HF's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from backend.engine.models.config import ModelConfig
+from backend.engine.models.layers import Linear
+
+# The checkpoint's names, per family: the MLP's prefix in a layer, its router, an expert's (gate, up, down) Linears
+CHECKPOINT_NAMES = {"qwen3_moe": ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj")),
+                    "mixtral": ("block_sparse_moe.", "gate", ("w1", "w3", "w2"))}
+
+
+class Expert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.moe_intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.moe_intermediate_size, cfg.hidden_size, bias=False)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in h's dtype, experts [T, k]) of each token: the top k of the router's softmax (float32)."""
+        probs = torch.softmax(F.linear(h, self.router).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(h.dtype), experts
+
+    def forward(self, h: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; `gated`: the MLP's activation of gate times up, [T, 2 I] -> [T, I]."""
+        weights, experts = self.route(h)
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)  # (token, choice) pairs, grouped by expert
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        tokens, pair_weights = order // self.top_k, weights.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(h)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                rows = tokens[start:start + n]
+                y = expert.down_proj.call(gated(expert.gate_up_proj.call(h[rows])))
+                out.index_add_(0, rows, y * pair_weights[start:start + n])
+                start += n
+        return out

@@ -1,0 +1,121 @@
+"""Every served family on random weights from transformers' own config classes: greedy outputs token for token equal
+to HF `generate` in float32, with chunked prefill, prefix-cache hits and preemption (test_engine_correctness's
+workload: 22 prompts of 1-300 tokens, many longer than the sliding windows here), the KV pool all free afterwards.
+Both attention paths: the CPU kernel and the gather graph. Small shapes: 2-4 layers, GQA, 8 experts top-2 for the
+mixtures. Bad input: an unknown model_type, a rope type not implemented, a feature not served: refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (Gemma3TextConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
+
+from backend.engine import EngineConfig, LLMEngine
+from backend.engine.models.config import SLIDING, load_model_config
+from tests.reference import hf_greedy
+from tests.test_engine_correctness import SCENARIOS, run, workload
+
+VOCAB = 512
+WINDOW = 48  # shorter than most prompts of the workload: the window matters
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, initializer_range=0.5)
+FAMILIES = {
+    "qwen3": lambda: Qwen3Config(**COMMON, intermediate_size=128, num_hidden_layers=3, use_sliding_window=True,
+                                 sliding_window=WINDOW, max_window_layers=1),  # layers 1 and 2 slide
+    "gemma3_text": lambda: Gemma3TextConfig(**{**COMMON, "tie_word_embeddings": True}, intermediate_size=128,
+                                            num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                            layer_types=[SLIDING, SLIDING, "full_attention", SLIDING],
+                                            final_logit_softcapping=30.0),
+    "mistral": lambda: MistralConfig(**COMMON, intermediate_size=128, num_hidden_layers=2, sliding_window=WINDOW),
+    "qwen2": lambda: Qwen2Config(**COMMON, intermediate_size=128, num_hidden_layers=2, use_sliding_window=True,
+                                 sliding_window=WINDOW, max_window_layers=1),
+    "phi3": lambda: Phi3Config(**{**COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.5}},
+                               intermediate_size=128, num_hidden_layers=2),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=128, num_hidden_layers=2, num_experts=8,
+                                        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                        mlp_only_layers=[1]),
+    "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=WINDOW),
+}
+
+
+def save_random(path: Path, config, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        if isinstance(config, Gemma3TextConfig):  # HF starts Gemma's norms at 0 (a scale of 1): make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.data.normal_(0.0, 0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory) -> Path:
+    return save_random(tmp_path_factory.mktemp(request.param), FAMILIES[request.param]())
+
+
+_refs: dict[str, list[list[int]]] = {}
+
+
+@pytest.mark.parametrize("scenario", ["chunked_prefill", "preemption", "prefix_caching"])
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
+def test_family_matches_hf(family_dir, scenario, attention):
+    engine = LLMEngine(EngineConfig.create(model=str(family_dir), attention=attention, quantization="none",
+                                           **SCENARIOS[scenario]))
+    reqs = workload(VOCAB)
+    key = str(family_dir)
+    if key not in _refs:
+        _refs[key] = hf_greedy(family_dir, [r.prompt for r in reqs], [r.max_tokens for r in reqs])
+    outs = run(engine, reqs, use_priority=False)
+    assert [i for i, (o, r) in enumerate(zip(outs, _refs[key])) if o != r] == []
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+
+
+def test_the_families_read_as_their_configs_say(tmp_path):
+    """The facts each family's decoder runs on: the windows per layer, q/k norms, Gemma's norms and scales,
+    Phi's partial rotary, the experts and which layers have them."""
+    cfgs = {name: load_model_config(save_random(tmp_path / name, make())) for name, make in FAMILIES.items()}
+    assert [cfgs["qwen3"].window(i) for i in range(3)] == [0, WINDOW, WINDOW] and cfgs["qwen3"].qk_norm
+    assert [cfgs["gemma3_text"].window(i) for i in range(4)] == [WINDOW, WINDOW, 0, WINDOW]
+    gemma = cfgs["gemma3_text"]
+    assert gemma.sandwich_norms and gemma.activation == "gelu_tanh" and gemma.embed_scale == 8.0
+    assert gemma.scale == 24 ** -0.5 and gemma.final_logit_softcapping == 30.0
+    assert cfgs["mistral"].max_window == WINDOW and cfgs["qwen2"].max_window == 0  # qwen2's layer 0 sees all
+    assert cfgs["phi3"].rotary_dim == 8 and cfgs["phi3"].sliding_window == 0
+    assert cfgs["qwen3_moe"].moe_layers == (0,) and cfgs["qwen3_moe"].num_experts == 8
+    assert cfgs["mixtral"].moe_layers == (0, 1) and cfgs["mixtral"].norm_topk_prob
+
+
+def _edited(folder: Path, tmp_path: Path, **changes) -> Path:
+    out = tmp_path / "edited"
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    config.update(changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"model_type": "falcon"}, "model_type 'falcon' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope type 'dynamic' is not implemented"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: gemma3_text models with it are not served"),
+])
+def test_what_is_not_served_is_refused_by_name(tmp_path, changes, message):
+    base = "gemma3_text" if "attn_logit_softcapping" in changes else "qwen3"
+    folder = save_random(tmp_path / "model", FAMILIES[base]())
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig.create(model=str(_edited(folder, tmp_path, **changes)), quantization="none"))
