@@ -184,7 +184,7 @@ def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_fa
     folder = prepare_gguf_folder(file, root)
     assert folder == root / file.stem and not list(folder.glob("*.safetensors"))
     assert prepare_gguf_folder(file, root) == folder and len(list(root.iterdir())) == 1  # prepared once
-    assert served_quantization(folder, "none") == "gguf"
+    assert served_quantization(folder, "auto") == "gguf" and served_quantization(folder, "none") == "none"
     with pytest.raises(ValueError, match="quantization: int8 rounds float weights, and .* has only a GGUF file"):
         served_quantization(folder, "int8")
     tokenizer = load_tokenizer(folder)
@@ -196,6 +196,11 @@ def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_fa
     assert engine.config.quantization == "gguf"
     bare = engine.generate(prompts, params)
     assert bare == LLMEngine(EngineConfig.create(model=str(default), quantization="gguf")).generate(prompts, params)
+    # none: the file's values dequantized as transformers reads them, which is how the default folder's float
+    # weights were made from the same file
+    dequantized = LLMEngine(EngineConfig.create(model=str(folder), quantization="none")).generate(prompts, params)
+    assert dequantized == LLMEngine(EngineConfig.create(model=str(default), quantization="none")).generate(prompts,
+                                                                                                          params)
     with start_server(tmp_path_factory.mktemp("repo_bare_gguf"), file, {}) as srv:
         srv.wait_ready(300)
         with LLMClient(srv.url_grpc, "llm") as client:
@@ -204,10 +209,13 @@ def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_fa
 
 
 @pytest.mark.parametrize("arch, norms, message", [
-    ("qwen2", True, r"quantization: gguf serves Llama files \(no attention bias\); model.gguf is qwen2"),
+    ("phi3", True, r"quantization: gguf serves the architectures llama, qwen2, qwen3, gemma3; model.gguf is phi3 "
+                   r"\(llama\)"),
+    ("qwen2", True, r"quantization: gguf serves .*; model.gguf is qwen2 \(llama\)"),  # not the model's own
     ("llama", False, "quantization: gguf: tensor output_norm.weight is not in model.gguf")])
 def test_a_gguf_the_reader_cannot_serve_is_refused_by_name(tiny_model_dir, tmp_path, arch, norms, message):
-    """llama.cpp permutes q/k rows for Llama only: another architecture's file would be read wrongly."""
+    """An architecture not served, or not the model's (llama.cpp permutes q/k rows for llama only: another
+    architecture's file would be read wrongly), is refused by name; so is a missing tensor."""
     folder = write_gguf(tiny_model_dir, tmp_path, TYPES, arch, norms)
     with pytest.raises(ValueError, match=message):
         TorchRunner(folder, "float32", 16, 16, quantization="gguf")

@@ -14,7 +14,7 @@ import torch
 from transformers import (Gemma3TextConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig)
 
-from backend.engine import EngineConfig, LLMEngine
+from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.engine.models.config import SLIDING, load_model_config
 from tests.reference import hf_greedy
 from tests.test_engine_correctness import SCENARIOS, run, workload
@@ -80,6 +80,22 @@ def test_family_matches_hf(family_dir, scenario, attention):
     outs = run(engine, reqs, use_priority=False)
     assert [i for i, (o, r) in enumerate(zip(outs, _refs[key])) if o != r] == []
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+
+
+def test_a_sliding_model_holds_a_window_of_blocks(tmp_path):
+    """Mistral slides on every layer: a 300-token prompt and 100 new tokens (25 blocks of 16) take at most the
+    window's 3 blocks, a 64-token chunk's 4 and the block being filled, at any step; the output is HF's."""
+    folder = save_random(tmp_path / "mistral", FAMILIES["mistral"]())
+    engine = LLMEngine(EngineConfig.create(model=str(folder), quantization="none", max_num_batched_tokens=64,
+                                           num_kv_blocks=64))
+    prompt = [3 + i * 7 % (VOCAB - 3) for i in range(300)]
+    engine.add_request("long", prompt, SamplingParams(max_tokens=100, ignore_eos=True))
+    out, peak = [], 0
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+        peak = max(peak, engine.kv.num_used_blocks)
+    assert peak <= WINDOW // 16 + 64 // 16 + 1 and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert out == hf_greedy(folder, [prompt], [100])[0]
 
 
 def test_the_families_read_as_their_configs_say(tmp_path):

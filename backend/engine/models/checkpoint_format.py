@@ -29,13 +29,12 @@ def served_quantization(model_dir: str | Path, asked: str, runtime: str = "torch
     GGUF file as stored where the torch runtime runs on the CPU (the default model's folder has one beside the float
     weights made from it, as llama.cpp and Ollama users expect), a quantized checkpoint by its method, else float."""
     folder = Path(model_dir)
-    has_gguf = any(folder.glob("*.gguf"))
-    if not any(folder.glob("*.safetensors")) and has_gguf:
+    if gguf_only(folder):
         if asked not in ("auto", "none", "gguf"):
             raise ValueError(f"quantization: {asked} rounds float weights, and {folder} has only a GGUF file: set none "
-                             "or gguf")
-        return "gguf"
-    if asked == "auto" and has_gguf and (runtime, device) == ("torch", "cpu"):
+                             "(its values dequantized) or gguf (as stored)")
+        return "none" if asked == "none" else "gguf"
+    if asked == "auto" and any(folder.glob("*.gguf")) and (runtime, device) == ("torch", "cpu"):
         return "gguf"
     qconfig = quantization_config(model_dir)
     if qconfig is None:
@@ -57,6 +56,17 @@ def served_quantization(model_dir: str | Path, asked: str, runtime: str = "torch
     else:
         gptq_awq_weights.check_config(model_dir, qconfig)
     return method
+
+
+def gguf_only(folder: str | Path) -> bool:
+    """The folder's weights are a GGUF file (a bare `.gguf` given as the model), no float checkpoint beside it."""
+    return not any(Path(folder).glob("*.safetensors")) and any(Path(folder).glob("*.gguf"))
+
+
+def float_state(model_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """The float weights `quantization: none` serves when they are not the folder's safetensors (which the loader
+    reads itself, None here): a GGUF file's, dequantized as transformers reads it."""
+    return gguf_weights.dequantized_state(model_dir, cfg) if gguf_only(model_dir) else None
 
 
 def read_stored(model_dir: str | Path, quantization: str, cfg: ModelConfig

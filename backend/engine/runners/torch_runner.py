@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.batch import ModelInput
-from backend.engine.models.checkpoint_format import AS_STORED, read_stored, served_quantization
+from backend.engine.models.checkpoint_format import AS_STORED, float_state, read_stored, served_quantization
 from backend.engine.models.config import load_model_config
 from backend.engine.models.llama import KernelLayout, load_model
 from backend.engine.models.weight_blocks import BlockEmbedding
@@ -64,6 +64,8 @@ class TorchRunner:
         if quantization in AS_STORED:
             state, stored = read_stored(model_dir, quantization, load_model_config(model_dir))
             log.info("%s: %s's Linears served as stored", quantization, model_dir)
+        else:
+            state = float_state(model_dir, load_model_config(model_dir))
         self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored, num_blocks * block_size)
         if quantization == "gguf":
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
