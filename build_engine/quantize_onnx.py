@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 
 BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32
-ACCURACY_LEVEL = 4  # int8 activations: see docs/benchmarks.md "Quantized weights" for what level 0 measured
+ACCURACY_LEVEL = 4  # int8 activations: see docs/benchmarks-log.md "Quantized weights" for what level 0 measured
 LM_HEAD_BITS = 8
 
 

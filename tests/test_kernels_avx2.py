@@ -2,7 +2,7 @@
 engine-vs-HF tests run again in a process whose kernels are built with -march=x86-64-v3 (LLM_KERNEL_MARCH),
 whose oneDNN stops at AVX2 (ONEDNN_MAX_CPU_ISA: its bfloat16 path, which needs avx512bw/vl/dq, is then
 refused) and whose ATen kernels are the AVX2 ones (ATEN_CPU_CAPABILITY). So `make test` on either CPU checks
-both vector widths against the references (`AVX2_ONLY` also runs the whole suite so: docs/benchmarks.md)."""
+both vector widths against the references (`AVX2_ONLY` also runs the whole suite so: docs/benchmarks-log.md)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ positions with a mean relative logit error of 0.7 %, load_tests/bench_quantizati
   argmax kept at >= 75 % of positions (measured 77-83 %).
 - int4 (Q4_1 layers, lm_head Q8_0, int8 activations) vs float32 on those rounded weights: 0.10 and >= 75 %
   (measured 0.066 and 84 % with the lm_head's q8_0_w8a8; the activations' rounding alone). Against the unrounded float32 tiny model it keeps the argmax at only 21 %:
-  4 bits on its wide random weights; SmolLM2's figures are in docs/benchmarks.md.
+  4 bits on its wide random weights; SmolLM2's figures are in docs/benchmarks-log.md.
 """
 
 from __future__ import annotations

@@ -31,11 +31,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # ngram | draft (EngineConfig.draft_model): greedy rows verify up to num_speculative_tokens drafts a step
     # (speculation.py, draft_model.py); 5 gained at least as much as 3 in every set, batch and drafter measured
-    # (docs/benchmarks.md, speculative decoding: Zen 5 and Xeon)
+    # (docs/benchmarks-log.md, speculative decoding: Zen 5 and Xeon)
     speculative: str = "none"
     num_speculative_tokens: int = 5
     # no drafts while more sequences than this run: a larger step is compute-bound and pays for every rejected
-    # draft. None: by drafter, as measured (speculation.AUTO_MAX_BATCH; docs/benchmarks.md, speculative decoding)
+    # draft. None: by drafter, as measured (speculation.AUTO_MAX_BATCH; docs/benchmarks-log.md, speculative decoding)
     speculative_max_batch: int | None = None
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's, capped by the KV pool

@@ -1,7 +1,7 @@
 """The threads a CPU forward runs on: as many as the CPUs that other processes leave free.
 
 OpenMP workers that spin a little at each barrier instead of sleeping (the launcher's default,
-docs/benchmarks.md#openmp-wait-policy) make a step on CPUs of its own ~20 % faster, since a forward is hundreds of
+docs/benchmarks-log.md#openmp-wait-policy) make a step on CPUs of its own ~20 % faster, since a forward is hundreds of
 short parallel regions and waking a sleeping worker costs tens of microseconds each time. Beside a busy process the
 same spin is a loss: a worker spins through the slice its descheduled partner needs (2 threads beside one busy
 process on 2 CPUs: 0.71x of sleeping workers, where one thread matches them). So about once a second the engine

@@ -3,7 +3,7 @@ list of choices or a grammar, by masking the logits of every token the guide doe
 
 One implementation for every front door (the engine core takes a `Guide` in SamplingParams). The library is
 llguidance, chosen by measurement against xgrammar and outlines-core on SmolLM2's 49k vocabulary
-(load_tests/bench_grammar_libs.py; docs/benchmarks.md): it compiles any guide in ~1 ms, refuses the JSON-schema
+(load_tests/bench_grammar_libs.py; docs/benchmarks-log.md): it compiles any guide in ~1 ms, refuses the JSON-schema
 keywords it cannot enforce by name (`not`, `uniqueItems`, `oneOf`), and every random walk it allowed was valid.
 xgrammar 0.2.8 let raw control characters and special tokens into JSON strings, silently ignored `not` and
 `uniqueItems`, and took up to 245 ms per step at batch 64 on strings with maxLength; outlines-core ignored

@@ -142,7 +142,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dty
 class LoraBatch:
     """A step's tokens with an adapter, as runs of consecutive flat tokens: (adapter, start, end). The engine orders
     a batch by adapter, so each adapter is one run: two GEMMs per adapter and Linear, on row slices, with no gather
-    or scatter (measured: 4 adapters at batch 32 went from 0.75x to 0.84x the base model's tok/s; docs/benchmarks.md,
+    or scatter (measured: 4 adapters at batch 32 went from 0.75x to 0.84x the base model's tok/s; docs/benchmarks-log.md,
     Multi-LoRA)."""
 
     runs: list[tuple[LoraAdapter, int, int]]

@@ -26,8 +26,9 @@ def create_runner(config: EngineConfig, num_blocks: int) -> Runner:
     if config.runtime == "torch":
         from backend.engine.runners.torch_runner import TorchRunner
 
+        # rope tables as long as the pool (no sequence gets further), not the model's 32k-128k positions
         return TorchRunner(config.model, config.dtype, num_blocks, block_size, config.device, config.attention,
-                           config.gemm_backend, quantization, config.cache.kv_cache_dtype)
+                           config.gemm_backend, quantization, config.cache.kv_cache_dtype, num_blocks * block_size)
     if quantization in AS_STORED or (quantization != "none" and config.runtime == "tensorrt"):
         raise ValueError(f"quantization: {quantization} is served by runtime torch"
                          f"{'' if quantization in AS_STORED else ' and onnxruntime'}, not {config.runtime}")

@@ -108,7 +108,7 @@ class EngineManifest:
         raw = json.loads(path.read_text())
         cfg, trt = raw["model_config"], raw["tensorrt"]
         return cls(
-            model_config=ModelConfig(**{**cfg, "eos_token_ids": tuple(cfg["eos_token_ids"])}),
+            model_config=ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}),
             dtype=raw["dtype"],
             onnx_file=raw["onnx_file"],
             opset=raw["opset"],

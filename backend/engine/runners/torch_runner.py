@@ -56,7 +56,7 @@ def resolve_attention(attention: str, device: torch.device) -> str:
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, device: str = "cpu",
                  attention: str = "auto", gemm_backend: str = "auto", quantization: str = "none",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", max_positions: int | None = None):
         self.device = torch.device(device)
         self.attention = resolve_attention(attention, self.device)
         quantization = served_quantization(model_dir, quantization, "torch", self.device.type)
@@ -66,7 +66,7 @@ class TorchRunner:
             log.info("%s: %s's Linears served as stored", quantization, model_dir)
         else:
             state = float_state(model_dir, load_model_config(model_dir))
-        self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored, num_blocks * block_size)
+        self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored, max_positions)
         if quantization == "gguf":
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
         self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
