@@ -68,12 +68,20 @@ def test_q8_0_kernel_is_exact_math_on_its_rounding(m, n, k):
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
+def w8a8_runs_here() -> bool:
+    """q8_0_w8a8 runs with AVX512-VNNI or AVX2 (its AVX2 path: an AMD Zen 3, or LLM_KERNEL_MARCH=x86-64-v3, in
+    tests/test_kernels_avx2.py); a build for a CPU with neither refuses it by name."""
+    if "q8_0_w8a8" in gemm.candidates(torch.float32, torch.device("cpu"), "int8"):
+        return True
+    assert "needs AVX2 and FMA" in gemm.why_not("q8_0_w8a8", torch.float32)
+    assert not {"avx2", "fma"} <= set(cpu_kernels.cpu_flags().split())
+    return False
+
+
 @pytest.mark.parametrize("m, n, k", [(1, 960, 576), (3, 7, 64), (16, 1536, 576), (13, 49, 96), (64, 3071, 576)])
-def test_q8_0_w8a8_is_exact_math_on_its_rounding_or_refused_without_vnni(m, n, k):
-    """Both operands rounded to Q8_0 (the activations per call): exact int8 products, float scales and sums. A build
-    for a CPU without AVX512-VNNI (an AMD Zen 3, or LLM_KERNEL_MARCH=x86-64-v3) refuses it by name instead."""
-    if "q8_0_w8a8" not in gemm.candidates(torch.float32, torch.device("cpu"), "int8"):
-        assert "needs AVX512-VNNI" in gemm.why_not("q8_0_w8a8", torch.float32)
+def test_q8_0_w8a8_is_exact_math_on_its_rounding(m, n, k):
+    """Both operands rounded to Q8_0 (the activations per call): exact int8 products, float scales and sums."""
+    if not w8a8_runs_here():
         return
     g = torch.Generator().manual_seed(m * n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05
@@ -87,14 +95,14 @@ def test_q8_0_w8a8_is_exact_math_on_its_rounding_or_refused_without_vnni(m, n, k
 def test_the_q8_tactics_serve_gguf_blocks_with_a_scale_per_16_or_a_min(type_name, m, n, k):
     """Random GGUF blocks (models/weight_blocks.py): Q6_K and Q3_K (a scale per 16 weights), Q5_K and Q5_1 (q * scale
     + min per 32), Q2_K (per 16). q8_0 is exact math on their values; q8_0_w8a8 on them times Q8_0-rounded
-    activations (the mins times the rounded activations' sums), or is refused without AVX512-VNNI."""
+    activations (the mins times the rounded activations' sums)."""
     rng = np.random.default_rng(m * n)
     blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
     assert isinstance(blocks, Q8Blocks) and blocks.block == (32 if type_name[:2] == "Q5" else 16)
     assert (blocks.m is None) == (type_name in ("Q6_K", "Q3_K"))
     x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
     names = gemm.candidates(torch.float32, torch.device("cpu"), "int8", Q8Blocks)
-    assert "q8_0" in names and ("q8_0_w8a8" in names or "needs AVX512-VNNI" in gemm.why_not("q8_0_w8a8", torch.float32))
+    assert "q8_0" in names and ("q8_0_w8a8" in names) == w8a8_runs_here()
     for tactic, rounded_x in (("q8_0", x), ("q8_0_w8a8", q8_0(x).dequantize())):
         if tactic in names:
             y = gemm.TACTICS[tactic].prepare(blocks, None)(x)

@@ -9,7 +9,9 @@
 // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
 // 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
 // output channels, 4 consecutive k per channel together ([K/4][16][4] int8), so one 64-byte load feeds 16 lanes.
-// Without AVX512-VNNI (AMD Zen 3) the op refuses, and the tactic is not a candidate there.
+// With AVX2 only (AMD Zen 3), llama.cpp's ggml_vec_dot_q8_0_q8_0 form: vpmaddubsw multiplies |w| by x carrying w's
+// sign (vpsignb; a pair's sum, at most 2 x 128 x 127, fits int16), vpmaddwd adds the pairs into int32, 8 channels a
+// vector: the same exact int32 dot products and the same float work after them, so the same result bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "amx.h"
@@ -30,6 +33,7 @@ constexpr int64_t kPanel = 16;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
+#define LLM_W8A8 1
 
 // One block of 32 floats -> 32 bytes q + 128, the block's scale (max|x| / 127) and scale * sum(q) of each 16 values;
 // round half to even.
@@ -46,6 +50,28 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scal
   scaled_sums[0] = *scale * static_cast<float>(_mm512_reduce_add_epi32(r0));
   scaled_sums[1] = *scale * static_cast<float>(_mm512_reduce_add_epi32(r1));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kRows = 4;  // with two 8-channel halves per row: 8 float + 4 int32 accumulators of AVX2's 16 registers
+#define LLM_W8A8 1
+
+// quantize_block of the AVX-512 build, a lane at a time: the same rounding (half to even), bytes and sums.
+inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scaled_sums) {
+  float m = 0.f;
+  for (int i = 0; i < kBlock; ++i) m = std::max(m, std::fabs(x[i]));
+  *scale = m / 127.f;
+  const float inv = m > 0.f ? 127.f / m : 0.f;
+  int sums[2] = {0, 0};
+  for (int i = 0; i < kBlock; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * inv));
+    q[i] = static_cast<uint8_t>(v + 128);
+    sums[i / 16] += v;
+  }
+  scaled_sums[0] = *scale * static_cast<float>(sums[0]);
+  scaled_sums[1] = *scale * static_cast<float>(sums[1]);
+}
+#endif
+
+#if defined(LLM_W8A8)
 
 // Pointers to one panel: its weights, scales (and mins) and compensations, as `q8_0_w8a8_linear` takes them.
 struct Panel {
@@ -61,6 +87,7 @@ struct Panel {
   }
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int MR, int SUB, bool MIN>
 inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, int64_t K, Panel p, float* y,
                         int64_t ldy, int64_t cols, bool prefetch) {
@@ -109,6 +136,66 @@ inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, i
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, mask, acc[i]);
 }
+#else
+template <int MR, int SUB, bool MIN>
+inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, int64_t K, Panel p, float* y,
+                        int64_t ldy, int64_t cols, bool prefetch) {
+  constexpr int kGroups = kBlock / 4 / SUB;  // 4-k groups per weight scale
+  const int64_t nb = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = p.w + b * kBlock * kPanel;
+    if (prefetch)
+      for (int l = 0; l < kBlock * kPanel; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int s = 0; s < SUB; ++s) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7: 32 bytes of each 4-k group
+        __m256i dot[MR];
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) dot[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = s * kGroups; g < (s + 1) * kGroups; ++g) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 4 * kPanel + h * 32));
+          const __m256i aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 16
+          for (int i = 0; i < MR; ++i) {
+            uint32_t four;  // x's 4 bytes q + 128 -> q
+            std::memcpy(&four, xq + i * K + b * kBlock + 4 * g, 4);
+            const __m256i x = _mm256_set1_epi32(static_cast<int>(four ^ 0x80808080u));
+            const __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+            dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+        const __m256 ws = _mm256_loadu_ps(p.scales + (b * SUB + s) * kPanel + 8 * h);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i)
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * nb + b])),
+                                      acc[i][h]);
+        if constexpr (MIN) {
+          const __m256 wm = _mm256_loadu_ps(p.mins + (b * SUB + s) * kPanel + 8 * h);
+#pragma GCC unroll 16
+          for (int i = 0; i < MR; ++i) {
+            const float* sums = xsum + i * 2 * nb + 2 * b;
+            acc[i][h] = _mm256_fmadd_ps(wm, _mm256_set1_ps(SUB == 2 ? sums[s] : sums[0] + sums[1]), acc[i][h]);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {  // the last panel may be narrower
+    alignas(32) float out[kPanel];
+    _mm256_store_ps(out, acc[i][0]);
+    _mm256_store_ps(out + 8, acc[i][1]);
+    std::memcpy(y + i * ldy, out, cols * sizeof(float));
+  }
+}
+#endif
 
 template <int MR, int SUB, bool MIN>
 inline void last_rows(const uint8_t* xq, const float* xs, const float* xsum, int64_t M, int64_t K, Panel p, float* y,
@@ -201,11 +288,11 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
   });
 }
 #endif
-#endif
+#endif  // LLM_W8A8
 
 at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             const at::Tensor& mins, const at::Tensor& comp, int64_t out_features) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(LLM_W8A8)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "q8_0_w8a8_linear: x [M, K] float32 contiguous expected");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, num_panels = packed.size(0), nb = K / kBlock;
@@ -248,7 +335,7 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   else panels<2, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
   return y;
 #else
-  TORCH_CHECK(false, "q8_0_w8a8_linear: needs AVX512-VNNI (and AVX512BW), which this build's CPU lacks");
+  TORCH_CHECK(false, "q8_0_w8a8_linear: needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
 #endif
 }
 

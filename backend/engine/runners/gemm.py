@@ -35,8 +35,8 @@ its weight form are the only candidates. Weights in llama.cpp's block forms (mod
 - `q8_0`: ours (kernels/q8_linear.cpp), Q8_0 weights (a scale per 32 weights along a row, or per 16: GGUF Q6_K,
   Q3_K; and a min per scale: GGUF Q5_1, Q5_K, Q2_K), activations float: the weights widened to float in registers.
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
-  values of a row per scale), in int8 arithmetic (AVX512-VNNI only; 16 rows at a time in AMX-INT8 tiles where the
-  CPU has them, the same result bit for bit): llama.cpp's Q8_0 x Q8_0.
+  values of a row per scale), in int8 arithmetic (AVX512-VNNI, or AVX2's vpmaddubsw as llama.cpp's AVX2 dot product;
+  16 rows at a time in AMX-INT8 tiles where the CPU has them; the same result bit for bit): llama.cpp's Q8_0 x Q8_0.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
 - `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32; GGUF IQ4_NL / IQ4_XS: d times
   a 16-entry table's value of q) times activations rounded to int8 per 32, in int8 arithmetic (AVX512-VNNI, or
