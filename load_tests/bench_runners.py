@@ -136,7 +136,8 @@ def main() -> None:
     dtype = torch_dtype(args.dtype)
     blocks_per_seq = cdiv(args.context + WARMUP_STEPS + args.steps + 1, BLOCK_SIZE)
     num_blocks = max(args.batch_sizes) * blocks_per_seq
-    config = EngineConfig.create(model=str(model_dir), dtype=args.dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks)
+    config = EngineConfig.create(model=str(model_dir), dtype=args.dtype, block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
+                                 quantization="none")  # every runner on the float weights
 
     runners: dict[str, Runner] = {}
     unsupported: dict[str, str] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+import torch
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.engine.speculation import accepted_tokens, propose_ngram
@@ -185,15 +186,26 @@ def test_guided_rows_verify_each_position_under_its_own_mask(smollm2_dir):
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(smollm2_dir, prompts, plain):
-    """Run twice on one engine: the second run starts from the first's cached blocks (prompt and output, written by
-    verify steps that rejected drafts) and gives the same tokens; a small pool makes the rejected slots' blocks
-    come back to the free queue and be reused."""
-    eng = speculating(smollm2_dir, 5, block_size=4, num_kv_blocks=96)
+    """The blocks a speculating engine caches (written by verify steps that rejected drafts; a small pool makes the
+    rejected slots' blocks come back to the free queue and be reused) hold, bit for bit, the K/V a plain engine
+    caches for the same tokens: a verified token attends as its decode. A second run starts from them (prefix hits)
+    and frees every block. Its continuation is not compared with the first run's: the 20 outputs it repeats are prompt
+    tokens there, and those not taken from the cache are recomputed in prefill tiles, which round otherwise than
+    their decodes did."""
+    small = dict(block_size=4, num_kv_blocks=96)
+    eng = speculating(smollm2_dir, 5, **small)
+    reference = LLMEngine(EngineConfig.create(model=str(smollm2_dir), **small))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     first = eng.generate(prompts, params)
+    assert first == plain == reference.generate(prompts, params)
+    common = eng.kv.pool.cached.keys() & reference.kv.pool.cached.keys()
+    assert len(common) > 20
+    for block_hash in common:
+        ours, theirs = eng.kv.pool.cached[block_hash], reference.kv.pool.cached[block_hash]
+        assert torch.equal(eng.runner.kv_cache[:, :, ours], reference.runner.kv_cache[:, :, theirs])
     continued = [p + o[:20] for p, o in zip(prompts, first)]
     again = eng.generate(continued, SamplingParams(max_tokens=MAX_TOKENS - 20, ignore_eos=True))
-    assert first == plain and [o[20:] for o in plain] == again
+    assert [len(o) for o in again] == [MAX_TOKENS - 20] * len(prompts)
     assert eng.stats().prefix_cache_hit_rate > 0 and eng.kv.num_used_blocks == 0
 
 
