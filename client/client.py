@@ -137,8 +137,13 @@ class LLMClient:
         if self._active_id is None:
             return
         self._finals_due += 1
-        self._grpc.async_stream_infer(self.model, build_inputs("", stop=True, max_tokens=1),
-                                      request_id=self._active_id, enable_empty_final_response=True)
+        try:
+            self._grpc.async_stream_infer(self.model, build_inputs("", stop=True, max_tokens=1),
+                                          request_id=self._active_id, enable_empty_final_response=True)
+        except InferenceServerException as err:  # its stream was closed with cancel_requests: nothing left to stop
+            self._finals_due -= 1
+            if "stream not available" not in str(err):
+                raise
 
     def close(self) -> None:
         self._grpc.close()

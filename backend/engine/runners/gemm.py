@@ -5,10 +5,12 @@ No single GEMM is fastest on every CPU: torch's float32 `F.linear` goes to MKL, 
 CPUs even where AVX-512 exists; oneDNN with a prepacked weight is faster there at decode sizes; on a CPU
 with avx512_bf16 but no AMX, a native bfloat16 GEMM can be slower than a float32 one on the same weights.
 So at load, each candidate is timed on each of the model's Linear shapes at a few token counts, and the
-fastest per shape is kept. Choices are cached per CPU (model name and flags), torch version, thread count,
+fastest per shape is kept. Choices are cached per CPU (model name and flags), torch version,
 dtype, candidates and shape in `.cache/gemm/` (`$LLM_KERNEL_CACHE/../gemm` when set), so the second start
-costs nothing; unless other processes took a share of the CPUs while they were timed (cpu_share.py reads it):
-those choices serve the process that timed them and are timed again at the next start.
+costs nothing. The first timing on a machine is kept even where other processes took a share of the CPUs while it
+ran (cpu_share.py reads it; the log says so and how to time again): tactics round differently, and two processes
+that serve one model (a test's engine and its server, a prefill and a decode worker) must compute the same numbers.
+Processes that start together time under a file lock, one at a time, the later ones reading the first one's table.
 
 A candidate is a tactic that runs on this CPU: each is probed once per process and dtype on a tiny weight
 (oneDNN's bfloat16 path needs avx512bw/vl/dq or avx_ne_convert: an AVX2-only CPU such as AMD Zen 3 lacks it,
@@ -55,6 +57,7 @@ the activations with one scale per tensor; on SmolLM2 its logits kept the float3
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import logging
@@ -83,7 +86,7 @@ LAYER_TOKENS = (16, 64, 256, 512)  # tokens per step: decode batches up to prefi
 HEAD_TOKENS = (4, 16, 64)  # lm_head sees one row per sequence
 COLD_BYTES = 64 << 20  # weights cycled through when timing: past the L2 and the share of L3 a 2-core VM sees
 # a table timed while other processes took more than this of the CPUs (on average, and in CPU-seconds, above
-# /proc/stat's 10 ms ticks) is not cached: a timing it cut short would be kept for every later start
+# /proc/stat's 10 ms ticks) is cached with a warning: its choices may be slower than a timing alone would make
 CONTENDED_CPUS, CONTENDED_CPU_S = 0.25, 0.1
 _lock = threading.Lock()
 
@@ -250,7 +253,7 @@ class Shape:
 
     @property
     def key(self) -> str:
-        """Its row of the cached table (after a dtype/threads/candidates prefix), e.g. `960x576/(16, 64, 256, 512)`."""
+        """Its row of the cached table (after a dtype/candidates prefix), e.g. `960x576/(16, 64, 256, 512)`."""
         return f"{self.out_features}x{self.in_features}/{self.tokens}"
 
 
@@ -309,24 +312,26 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     if len(names) == 1:
         return {s: names[0] for s in shapes}
     path = cache_file()
-    with _lock:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # the candidates are in the key: a row timed where others ran (another ONEDNN_MAX_CPU_ISA) is timed again
+    # not the thread count: a process whose CPU share cut its threads must still pick what the others picked
+    prefix = f"{str(dtype).removeprefix('torch.')}/{'+'.join(names)}"
+    with _lock, open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a process that starts while another times waits and reads its choices
         table = json.loads(path.read_text()) if path.is_file() else {}
-        # the candidates are in the key: a row timed where others ran (another ONEDNN_MAX_CPU_ISA) is timed again
-        prefix = f"{str(dtype).removeprefix('torch.')}/threads{torch.get_num_threads()}/{'+'.join(names)}"
         missing = [s for s in shapes if f"{prefix}/{s.key}" not in table]
         if missing:
             log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
             share, start = CpuShare.start(), time.monotonic()
-        for shape in missing:
-            timings = measure(shape, dtype, names)
-            table[f"{prefix}/{shape.key}"] = {
-                "choice": min(timings, key=timings.get), "us_per_token": {k: v * 1e6 for k, v in timings.items()}}
-        others = share.others() if missing and share else 0.0
-        if others > CONTENDED_CPUS and others * (time.monotonic() - start) > CONTENDED_CPU_S:
-            log.warning("gemm: other processes used %.1f CPUs while the tactics were timed; this process serves "
-                        "these choices, and they are not cached (the next start times them again)", others)
-        elif missing:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            timings = {shape: measure(shape, dtype, names) for shape in missing}
+            others = share.others() if share else 0.0
+            for shape, times in timings.items():
+                table[f"{prefix}/{shape.key}"] = {"choice": min(times, key=times.get), "others_cpus": round(others, 2),
+                                                  "us_per_token": {k: v * 1e6 for k, v in times.items()}}
+            if others > CONTENDED_CPUS and others * (time.monotonic() - start) > CONTENDED_CPU_S:
+                log.warning("gemm: other processes used %.1f CPUs while the tactics were timed; the choices are cached "
+                            "all the same (every process here computes the same numbers); delete %s to time them "
+                            "again alone", others, path)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
             tmp.replace(path)
