@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+from transformers import MixtralConfig, Qwen3MoeConfig
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.checkpoint_format import served_quantization
@@ -33,6 +34,8 @@ from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
 from load_tests.bench_quantization import fixed_text
 from tests.conftest import start_server
+from tests.reference import hf_greedy
+from tests.test_model_families import COMMON, VOCAB, WINDOW, save_random
 from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import random_raw, write_gguf
 from tests.tiny_model import make_tiny_llama
@@ -133,6 +136,48 @@ def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
     assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+# mixtures of experts as llama.cpp's converter writes them (every layer sparse, as its qwen3moe reads): each projection
+# of a layer's experts one 3-D tensor, the router float32
+MOE = {"qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=128, num_hidden_layers=2, num_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True),
+       "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=96, num_hidden_layers=2, num_local_experts=8,
+                                        num_experts_per_tok=2, sliding_window=WINDOW)}
+MOE_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate_exps": "Q4_0",
+             "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_a_mixture_of_experts_file_is_served_expert_by_expert(family, tmp_path):
+    """Each expert's slice of the file's 3-D tensors is that expert's Linear exactly, and the router is the folder's;
+    served as stored within the bounds above of float32 on the same values, the pool free afterwards. Dequantized
+    (`none` on the file alone) it is greedy-equal to HF generate on the folder of its values: every expert in its
+    place."""
+    folder = write_gguf(save_random(tmp_path / "hf", MOE[family]()), tmp_path / "gguf", MOE_TYPES)
+    reference_runner = TorchRunner(folder, "float32", 64, 16, gemm_backend="aten", quantization="none")
+    state, stored = load_gguf(folder, reference_runner.model.cfg)
+    assert {n for n in stored if ".experts." in n} == {f"layers.{i}.moe.experts.{e}.{p}" for i in range(2)
+                                                        for e in range(8) for p in ("gate_up_proj", "down_proj")}
+    for name, weight in stored.items():
+        assert torch.equal(as_float(weight), reference_runner.model.get_submodule(name).weight), name
+    for i in range(2):
+        router = next(w for n, w in state.items() if n.startswith(f"model.layers.{i}.") and n.endswith("gate.weight"))
+        assert torch.equal(router, reference_runner.model.get_parameter(f"layers.{i}.moe.router"))
+    tokens = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner = TorchRunner(folder, "float32", 64, 16, quantization="gguf")
+    tactics = {(s.out_features, s.in_features): t for s, t in runner.gemm_tactics.items()}
+    inter = runner.model.cfg.moe_intermediate_size  # an expert's gate/up: Q4_0 and Q4_1 rows; its down: Q8_0
+    assert tactics[(2 * inter, 64)] == "q4_1_w4a8" and tactics[(64, inter)] in ("q8_0", "q8_0_w8a8")
+    assert_near(all_logits(runner, tokens), all_logits(reference_runner, tokens), 0.05, 0.85)
+    engine = LLMEngine(EngineConfig.create(model=str(folder), quantization="gguf"))
+    assert len(engine.generate([tokens[:30]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    prompts = [tokens[:7], tokens[:70]]
+    want = hf_greedy(folder, prompts, [12, 12])  # HF on the folder's float weights: the file's values
+    (folder / "model.safetensors").unlink()  # the file alone: `none` serves its dequantized values
+    alone = LLMEngine(EngineConfig.create(model=str(folder), quantization="none"))
+    assert alone.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True)) == want
+
+
 # an IQ4_XS / IQ4_NL file's Linears (llama.cpp falls back to IQ4_NL where a row is not whole 256-value blocks), and a
 # Q4_0 attn_v: 4-bit indices into a table beside plain 4-bit values
 IQ4 = {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "Q4_0", "attn_output": "IQ4_NL", "ffn_gate": "IQ4_XS",
@@ -209,8 +254,8 @@ def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_fa
 
 
 @pytest.mark.parametrize("arch, norms, message", [
-    ("phi3", True, r"quantization: gguf serves the architectures llama, qwen2, qwen3, gemma3; model.gguf is phi3 "
-                   r"\(llama\)"),
+    ("phi3", True, r"quantization: gguf serves the architectures llama, qwen2, qwen3, qwen3moe, gemma3; model.gguf is "
+                   r"phi3 \(llama\)"),
     ("qwen2", True, r"quantization: gguf serves .*; model.gguf is qwen2 \(llama\)"),  # not the model's own
     ("llama", False, "quantization: gguf: tensor output_norm.weight is not in model.gguf")])
 def test_a_gguf_the_reader_cannot_serve_is_refused_by_name(tiny_model_dir, tmp_path, arch, norms, message):

@@ -5,13 +5,15 @@ weights are that file's dequantized values: what `quantization: gguf` must serve
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize, quantize
+from gguf import (GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, dequantize,
+                  get_tensor_name_map, quantize)
 from safetensors.torch import load_file, save_file
 
 
@@ -58,45 +60,55 @@ def random_blocks(w: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.n
     return raw.reshape(rows, -1)
 
 
-def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str], arch: str = "llama",
+# model_type -> the architecture llama.cpp's converter writes it as (and whether it permutes q/k rows: LlamaModel)
+CONVERTER_ARCH = {"llama": (MODEL_ARCH.LLAMA, True), "mistral": (MODEL_ARCH.LLAMA, True),
+                  "mixtral": (MODEL_ARCH.LLAMA, True), "qwen2": (MODEL_ARCH.QWEN2, False),
+                  "qwen3": (MODEL_ARCH.QWEN3, False), "qwen3_moe": (MODEL_ARCH.QWEN3MOE, False)}
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def write_gguf(model_dir: Path, out_dir: Path, types: dict[str, str], arch: str | None = None,
                norms: bool = True) -> Path:
     """`out_dir` := model_dir with its weights replaced by their dequantized GGUF values, and `model.gguf` (those
-    Linears and the embedding, and the float32 norms) next to them. `types`: GGUF tensor suffix (`attn_q`,
-    `ffn_down`, `token_embd`, `output`, ...) -> a type gguf-py quantizes (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of
-    RANDOM_ONLY (random blocks). `arch` and `norms` (False: none written) make files the reader must refuse."""
+    Linears and the embedding, and the float32 norms and routers) next to them, each named by gguf-py's own map of
+    HF names (the converter's), a mixture of experts' per-expert weights stacked into one 3-D tensor per projection
+    as the converter stacks them. `types`: GGUF tensor suffix (`attn_q`, `ffn_down`, `ffn_up_exps`, `token_embd`,
+    `output`, ...) -> a type gguf-py quantizes (Q8_0, Q4_0, Q4_1, Q5_0, F16, ...) or one of RANDOM_ONLY (random
+    blocks). `arch` (another header than the model's) and `norms` (False: none written) make files the reader must
+    refuse."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    model_arch, permutes = CONVERTER_ARCH[cfg["model_type"]]
+    names = get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     state = {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-    names = {"model.embed_tokens.weight": ("token_embd.weight", None), "lm_head.weight": ("output.weight", None)}
-    for i in range(cfg["num_hidden_layers"]):
-        hf, g = f"model.layers.{i}.", f"blk.{i}."
-        names.update({hf + "self_attn.q_proj.weight": (g + "attn_q.weight", heads),
-                      hf + "self_attn.k_proj.weight": (g + "attn_k.weight", kv_heads),
-                      hf + "self_attn.v_proj.weight": (g + "attn_v.weight", None),
-                      hf + "self_attn.o_proj.weight": (g + "attn_output.weight", None),
-                      hf + "mlp.gate_proj.weight": (g + "ffn_gate.weight", None),
-                      hf + "mlp.up_proj.weight": (g + "ffn_up.weight", None),
-                      hf + "mlp.down_proj.weight": (g + "ffn_down.weight", None)})
+    groups: dict[str, list[str]] = {}  # GGUF name -> the HF weights it holds (an expert stack: one per expert)
+    for hf_name in state:
+        expert = EXPERT.match(hf_name)
+        merged = f"{expert[1]}.{expert[3]}" if expert else hf_name.removesuffix(".weight")
+        groups.setdefault(names.get_name(merged) + ".weight", []).append(hf_name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(str(out_dir / "model.gguf"), arch)
-    for hf_name, (name, permute_heads) in names.items():
-        w = state[hf_name].numpy()
-        if permute_heads:
-            w = _permute(w, permute_heads)
+    writer = GGUFWriter(str(out_dir / "model.gguf"), arch or MODEL_ARCH_NAMES[model_arch])
+    for name, hf_names in groups.items():
+        if state[hf_names[0]].dim() == 1 or name.endswith("ffn_gate_inp.weight"):
+            if norms:  # float32, as llama.cpp's converter writes norms (and its quantizer leaves routers)
+                writer.add_tensor(name, np.stack([state[h].float().numpy() for h in hf_names]).squeeze(0))
+            continue
         qtype = GGMLQuantizationType[types[name.split(".")[-2]]]
-        raw = random_blocks(w, qtype, zlib.crc32(name.encode())) if qtype.name in RANDOM_ONLY else quantize(w, qtype)
-        writer.add_tensor(name, raw, raw_dtype=qtype)
-        back = dequantize(raw, qtype).reshape(w.shape)
-        if permute_heads:  # the inverse permutation: rows (half, i) <- (i, half)
-            back = back.reshape(permute_heads, back.shape[0] // permute_heads // 2, 2, -1).swapaxes(1, 2).reshape(
-                back.shape)
-        state[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
-    norm_names = {"model.norm.weight": "output_norm.weight"}
-    for i in range(cfg["num_hidden_layers"]):
-        norm_names.update({f"model.layers.{i}.input_layernorm.weight": f"blk.{i}.attn_norm.weight",
-                      f"model.layers.{i}.post_attention_layernorm.weight": f"blk.{i}.ffn_norm.weight"})
-    for hf_name, name in norm_names.items() if norms else ():  # float32, as llama.cpp's converter writes norms
-        writer.add_tensor(name, state[hf_name].float().numpy())
+        raws = []
+        for hf_name in sorted(hf_names, key=lambda h: int(e[2]) if (e := EXPERT.match(h)) else 0):
+            w = state[hf_name].numpy()
+            permute_heads = heads.get(hf_name.split(".")[-2]) if permutes else None
+            if permute_heads:
+                w = _permute(w, permute_heads)
+            raw = (random_blocks(w, qtype, zlib.crc32(hf_name.encode())) if qtype.name in RANDOM_ONLY
+                   else quantize(w, qtype))
+            back = dequantize(raw, qtype).reshape(w.shape)
+            if permute_heads:  # the inverse permutation: rows (half, i) <- (i, half)
+                back = back.reshape(permute_heads, back.shape[0] // permute_heads // 2, 2, -1).swapaxes(1, 2).reshape(
+                    back.shape)
+            state[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
+            raws.append(raw)
+        writer.add_tensor(name, np.stack(raws) if len(raws) > 1 else raws[0], raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,9 +1,12 @@
 """A GGUF file's weights, named and fused like PagedLlama's modules: as stored (`quantization: gguf`), or dequantized
 to float32 (`none`) as transformers reads the file (gguf-py's dequantizers), which is HF's float reference for it.
 
-Architectures (GGUF's `general.architecture`, llama.cpp's converter's names): llama (Llama, Mistral, SmolLM2),
-qwen2 (q/k/v biases), qwen3 (q/k norms), gemma3 (q/k norms, four norms a layer, stored as 1 + w: the w HF reads is the
-stored value minus 1, as transformers' Gemma2TensorProcessor takes it). Another architecture is refused by name.
+Architectures (GGUF's `general.architecture`, llama.cpp's converter's names): llama (Llama, Mistral, SmolLM2,
+Mixtral), qwen2 (q/k/v biases), qwen3 (q/k norms), qwen3moe, gemma3 (q/k norms, four norms a layer, stored as 1 + w:
+the w HF reads is the stored value minus 1, as transformers' Gemma2TensorProcessor takes it). Another architecture is
+refused by name. A mixture of experts' layer holds each projection of all its experts in one 3-D tensor
+(`ffn_gate_exps`: [experts, rows, cols], as the converter stacks them); each expert's slice is served as stored like
+any Linear, and the router (`ffn_gate_inp`, F32 in llama.cpp's files) as floats.
 
 Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS tensors stay in their blocks; any other
 type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
@@ -28,6 +31,7 @@ import torch
 
 from backend.engine.models.config import ModelConfig
 from backend.engine.models.llama import fused_linears
+from backend.engine.models.moe import CHECKPOINT_NAMES
 from backend.engine.models.weight_blocks import STORED, Blocks, Weight, cat_rows, from_gguf, rows_of, take_rows
 
 
@@ -50,10 +54,12 @@ LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 ARCHITECTURES = {  # general.architecture -> its model_type, and its norms: GGUF's -> HF's
-    "llama": (("llama", "mistral"), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}),
+    "llama": (("llama", "mistral", "mixtral"), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}),
     "qwen2": (("qwen2",), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}),
     "qwen3": (("qwen3",), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                            "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
+    "qwen3moe": (("qwen3_moe",), {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
     "gemma3": (("gemma3_text",), {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                                   "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
                                   "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
@@ -75,28 +81,31 @@ class GgufFile:
         self.tensors = {t.name: t for t in reader.tensors}
 
     def tensor(self, name: str):
+        """(the tensor, its data) of `name`, or of one expert's slice of a 3-D tensor: `blk.0.ffn_up_exps.weight[3]`."""
+        name, _, expert = name.partition("[")
         if name not in self.tensors:
             raise ValueError(f"quantization: gguf: tensor {name} is not in {self.path.name}")
-        return self.tensors[name]
+        t = self.tensors[name]
+        return t, t.data[int(expert[:-1])] if expert else t.data
 
     def floats(self, name: str) -> torch.Tensor:
         """A tensor dequantized to float32 by gguf-py, as transformers reads it; [rows, cols] (a norm: [cols])."""
         from gguf import dequantize
 
-        t = self.tensor(name)
+        t, data = self.tensor(name)
         try:
-            values = dequantize(t.data, t.tensor_type)
+            values = dequantize(data, t.tensor_type)
         except NotImplementedError:
             raise ValueError(f"quantization: gguf: tensor {name} is {t.tensor_type.name}, which gguf-py cannot "
                              "decode") from None
-        shape = [int(n) for n in reversed(t.shape)]  # GGUF lists the row length first
+        shape = [int(n) for n in reversed(t.shape[:2])]  # GGUF lists the row length first (then rows, experts)
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
 
     def stored(self, name: str) -> Blocks | torch.Tensor:
-        t = self.tensor(name)
-        cols, rows = (int(n) for n in t.shape)
+        t, data = self.tensor(name)
+        cols, rows = int(t.shape[0]), int(t.shape[1])
         if t.tensor_type.name in STORED:
-            return from_gguf(t.tensor_type.name, t.data, rows, cols)
+            return from_gguf(t.tensor_type.name, data, rows, cols)
         return self.floats(name)
 
     def unpermute(self, weight, gguf_name: str):
@@ -112,6 +121,9 @@ class GgufFile:
         names = {"output_norm.weight": "model.norm.weight"}
         for i in range(self.cfg.num_layers):
             names.update({f"blk.{i}.{g}.weight": f"model.layers.{i}.{h}.weight" for g, h in norms.items()})
+            if i in self.cfg.moe_layers:
+                prefix, router, _ = CHECKPOINT_NAMES[self.cfg.family.moe]
+                names[f"blk.{i}.ffn_gate_inp.weight"] = f"model.layers.{i}.{prefix}{router}.weight"
             if self.cfg.attention_bias:
                 names.update({f"blk.{i}.{g}.bias": f"model.layers.{i}.{LAYER_TENSORS[g]}.bias"
                               for g in ("attn_q", "attn_k", "attn_v")})
@@ -124,7 +136,13 @@ class GgufFile:
         out = {"model.embed_tokens.weight": "token_embd.weight",  # no output.weight: the embedding is the lm_head
                "lm_head.weight": "output.weight" if "output.weight" in self.tensors else "token_embd.weight"}
         for i in range(self.cfg.num_layers):
-            out.update({f"model.layers.{i}.{h}.weight": f"blk.{i}.{g}.weight" for g, h in LAYER_TENSORS.items()})
+            out.update({f"model.layers.{i}.{h}.weight": f"blk.{i}.{g}.weight" for g, h in LAYER_TENSORS.items()
+                        if i not in self.cfg.moe_layers or not g.startswith("ffn_")})
+            if i in self.cfg.moe_layers:
+                prefix, _, projections = CHECKPOINT_NAMES[self.cfg.family.moe]
+                out.update({f"model.layers.{i}.{prefix}experts.{e}.{h}.weight": f"blk.{i}.{g}_exps.weight[{e}]"
+                            for e in range(self.cfg.num_experts)
+                            for g, h in zip(("ffn_gate", "ffn_up", "ffn_down"), projections)})
         return out
 
 
