@@ -9,14 +9,20 @@ VENV=${LLAMACPP_VENV:-.venv-llamacpp}
 LLAMACPP=llama-cpp-python==0.3.16
 STAMP="$VENV/.installed-$LLAMACPP"
 
-if [ -f "$STAMP" ]; then
-    echo "$VENV ready ($LLAMACPP)"
-    exit 0
+# llama.cpp's converter (site-packages/bin/convert_hf_to_gguf.py, load_tests/random_gguf.py) runs on .venv's torch,
+# transformers and gguf, plus what it imports besides: these, kept apart in $VENV/converter
+CONVERTER_LIBS="mistral_common==1.13.1 pydantic_extra_types==2.11.1 pycountry==26.2.16 tiktoken==0.14.0 sentencepiece==0.2.3"
+if [ ! -f "$STAMP" ]; then
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    # GGML_NATIVE: the build machine's own ISA (what our kernels get too); no BLAS, llama.cpp's own GEMMs
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$VENV/bin/pip" install --no-binary llama-cpp-python "$LLAMACPP" psutil  # psutil: bench_offline's CPU time
+    "$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())'
+    touch "$STAMP"
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-# GGML_NATIVE: the build machine's own ISA (what our kernels get too); no BLAS, llama.cpp's own GEMMs
-CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$VENV/bin/pip" install --no-binary llama-cpp-python "$LLAMACPP" psutil  # psutil: bench_offline's CPU time
-"$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())'
-touch "$STAMP"
+if [ ! -f "$VENV/converter/.installed" ]; then
+    .venv/bin/pip install -q --no-deps --target "$VENV/converter" $CONVERTER_LIBS
+    touch "$VENV/converter/.installed"
+fi
+echo "$VENV ready ($LLAMACPP, llama.cpp's converter)"

@@ -1,0 +1,123 @@
+"""Random-weight models of the shapes CPU users serve, as GGUF files made by llama.cpp's own tools, so that our engine
+and llama.cpp read the same file: transformers' config class -> seeded random bfloat16 safetensors ->
+llama.cpp's `convert_hf_to_gguf.py` (the copy llama-cpp-python vendors, run on .venv's torch and transformers with
+the packages load_tests/llama_cpp_env.sh adds for it) -> a BF16 GGUF -> `llama_model_quantize` (Q4_K_M, Q8_0...).
+
+The folder holds the HF config, SmolLM2's tokenizer (the converter pads its 49,152 tokens to the shape's vocabulary,
+as it pads any) and the quantized file; the float weights and the BF16 file are deleted once quantized. Random
+weights: speed only, no quality; a router of random weights spreads tokens over the experts about evenly.
+
+    python -m load_tests.random_gguf --shape qwen3-moe-2.9b-a0.5b [--ftype Q4_K_M]   # prints the folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from load_tests.bench_offline import LLAMACPP_PYTHON, MODELS_DIR
+from load_tests.gguf_variant import QUANTIZE
+
+CONVERTER = next(LLAMACPP_PYTHON.parents[1].glob("lib/python3*/site-packages/bin/convert_hf_to_gguf.py"),
+                 LLAMACPP_PYTHON.parents[1] / "convert_hf_to_gguf.py")
+CONVERTER_LIBS = LLAMACPP_PYTHON.parents[1] / "converter"  # mistral_common & co. (llama_cpp_env.sh)
+# The converter of llama-cpp-python 0.3.16 reads a config through transformers' to_dict(), which transformers 5 writes
+# with new names (num_local_experts, rope_parameters); it reads the old ones (num_experts, rope_theta), as the
+# published config.json files have them: this runs it with those names added back.
+CONVERT = """
+import runpy, sys
+converter = runpy.run_path(sys.argv[1], run_name="convert_hf_to_gguf")
+load = converter["ModelBase"].load_hparams
+
+def load_hparams(dir_model, is_mistral_format):
+    config = load(dir_model, is_mistral_format)
+    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    if "num_local_experts" in config:
+        config.setdefault("num_experts", config["num_local_experts"])
+    return config
+
+converter["ModelBase"].load_hparams = staticmethod(load_hparams)
+sys.argv = sys.argv[1:]
+converter["main"]()
+"""
+
+
+def _qwen3_moe():  # Qwen3-30B-A3B's design, scaled: 2.9B parameters, 0.5B read per token (lm_head included)
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=3072, moe_intermediate_size=768,
+                          num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+                          max_position_embeddings=32768,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def _qwen3_1_7b():  # Qwen3-1.7B's config
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=151936, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, tie_word_embeddings=True,
+                       max_position_embeddings=40960,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+SHAPES: dict[str, Callable] = {"qwen3-moe-2.9b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b}
+
+
+def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from backend.serving.model_store import prepare_default_model
+
+    folder = MODELS_DIR / f"random-{shape}-{ftype}"
+    out = folder / f"{shape}.{ftype}.gguf"
+    if out.is_file():
+        return folder
+    for need, how in ((LLAMACPP_PYTHON, "load_tests/llama_cpp_env.sh"), (CONVERTER, "llama-cpp-python's converter"),
+                      (CONVERTER_LIBS, "load_tests/llama_cpp_env.sh (its converter packages)")):
+        if not need.exists():
+            raise SystemExit(f"{need} is missing: run {how} first")
+    hf = folder / "hf"
+    print(f"random {shape}: bfloat16 weights (seed {seed}) -> {hf}", flush=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.bfloat16)
+    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
+    model.save_pretrained(hf)
+    del model
+    tokenizer = prepare_default_model(verbose=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if (tokenizer / name).is_file():
+            shutil.copy2(tokenizer / name, hf / name)
+    bf16 = folder / f"{shape}.bf16.gguf"
+    print(f"  llama.cpp's converter -> {bf16.name}", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(CONVERTER_LIBS), os.environ.get("PYTHONPATH"))))}
+    subprocess.run([sys.executable, "-c", CONVERT, str(CONVERTER), str(hf), "--outtype", "bf16", "--outfile", str(bf16)], env=env,
+                   check=True, stdout=subprocess.DEVNULL)
+    print(f"  llama.cpp's quantizer -> {out.name}", flush=True)
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([str(LLAMACPP_PYTHON), "-c", QUANTIZE, str(bf16), str(tmp), ftype], check=True)
+    tmp.replace(out)
+    for f in hf.iterdir():  # the folder keeps the config and tokenizer, not the float weights
+        if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+            f.unlink()
+        else:
+            f.rename(folder / f.name)
+    hf.rmdir()
+    bf16.unlink()
+    return folder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(SHAPES), required=True)
+    p.add_argument("--ftype", default="Q4_K_M", help="llama.cpp's LLAMA_FTYPE_MOSTLY_<FTYPE> (Q4_K_M, Q8_0, ...)")
+    args = p.parse_args()
+    print(random_gguf(args.shape, args.ftype))
+
+
+if __name__ == "__main__":
+    main()
