@@ -2,7 +2,9 @@
 to HF `generate` in float32, with chunked prefill, prefix-cache hits and preemption (test_engine_correctness's
 workload: 22 prompts of 1-300 tokens, many longer than the sliding windows here), the KV pool all free afterwards.
 Both attention paths: the CPU kernel and the gather graph. Small shapes: 2-4 layers, GQA, 8 experts top-2 for the
-mixtures. Bad input: an unknown model_type, a rope type not implemented, a feature not served: refused by name."""
+mixtures. Per family too: speculation (n-gram, and the model drafting for itself) keeps HF's greedy ids; the int8 KV
+cache stays within its bounds. Bad input: an unknown model_type, a rope type not implemented, a feature not served:
+refused by name."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from transformers import (Gemma3TextConfig, MistralConfig, MixtralConfig, Phi3Co
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.engine.models.config import SLIDING, load_model_config
+from backend.engine.runners.torch_runner import TorchRunner
 from tests.reference import hf_greedy
 from tests.test_engine_correctness import SCENARIOS, run, workload
+from tests.test_quantization import all_logits, assert_near
 
 VOCAB = 512
 WINDOW = 48  # shorter than most prompts of the workload: the window matters
@@ -80,6 +84,36 @@ def test_family_matches_hf(family_dir, scenario, attention):
     outs = run(engine, reqs, use_priority=False)
     assert [i for i, (o, r) in enumerate(zip(outs, _refs[key])) if o != r] == []
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_speculation_keeps_each_familys_greedy_output(family_dir, speculative):
+    """Speculation must not change outputs: with n-gram drafts, and with the model drafting for itself (every draft
+    right, so every step verifies a full run of them), the workload's greedy ids are HF's, the pool free after."""
+    engine = LLMEngine(EngineConfig.create(model=str(family_dir), quantization="none", speculative=speculative,
+                                           draft_model=str(family_dir) if speculative == "draft" else None,
+                                           max_num_batched_tokens=64))
+    reqs = workload(VOCAB)
+    key = str(family_dir)
+    if key not in _refs:
+        _refs[key] = hf_greedy(family_dir, [r.prompt for r in reqs], [r.max_tokens for r in reqs])
+    outs = run(engine, reqs, use_priority=False)
+    assert [i for i, (o, r) in enumerate(zip(outs, _refs[key])) if o != r] == []
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+
+
+def test_an_int8_kv_cache_stays_within_its_bounds_on_each_family(family_dir):
+    """The int8 KV cache on each family's attention (q/k norms, windows, partial rotary, Gemma's scale): the logits
+    of a prompt longer than the windows within test_kv_cache_int8's bounds of the float32 cache's (measured at most
+    0.042 / 93 %). Mixtral's every layer routes, and a rounding that flips a router's top 2 changes which experts run:
+    0.15 / 80 % there (measured 0.118 / 83 %; Qwen3-MoE here, one routed layer: 0.016 / 99 %)."""
+    tokens = [3 + i * 7 % (VOCAB - 3) for i in range(150)]
+    runners = [TorchRunner(family_dir, "float32", 64, 16, gemm_backend="aten", quantization="none",
+                           kv_cache_dtype=dtype) for dtype in ("auto", "int8")]
+    reference, logits = (all_logits(r, tokens) for r in runners)
+    every_layer_routes = runners[0].model_config.moe_layers == tuple(range(runners[0].model_config.num_layers))
+    assert_near(logits, reference, *((0.15, 0.80) if every_layer_routes else (0.07, 0.90)))
+    assert not torch.equal(logits, reference)
 
 
 def test_a_sliding_model_holds_a_window_of_blocks(tmp_path):
