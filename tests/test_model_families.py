@@ -19,7 +19,8 @@ from transformers import (Gemma3TextConfig, MistralConfig, MixtralConfig, Phi3Co
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.engine.models.config import SLIDING, load_model_config
 from backend.engine.runners.torch_runner import TorchRunner
-from tests.reference import hf_greedy
+from load_tests.lora_adapters import make_adapter
+from tests.reference import hf_greedy, peft_greedy
 from tests.test_engine_correctness import SCENARIOS, run, workload
 from tests.test_quantization import all_logits, assert_near
 
@@ -72,11 +73,8 @@ def family_dir(request, tmp_path_factory) -> Path:
 _refs: dict[str, list[list[int]]] = {}
 
 
-@pytest.mark.parametrize("scenario", ["chunked_prefill", "preemption", "prefix_caching"])
-@pytest.mark.parametrize("attention", ["kernel", "gather"])
-def test_family_matches_hf(family_dir, scenario, attention):
-    engine = LLMEngine(EngineConfig.create(model=str(family_dir), attention=attention, quantization="none",
-                                           **SCENARIOS[scenario]))
+def _assert_workload_matches_hf(family_dir: Path, engine: LLMEngine) -> None:
+    """The workload's greedy ids are HF generate's (computed once a model), and the pool is all free afterwards."""
     reqs = workload(VOCAB)
     key = str(family_dir)
     if key not in _refs:
@@ -84,6 +82,14 @@ def test_family_matches_hf(family_dir, scenario, attention):
     outs = run(engine, reqs, use_priority=False)
     assert [i for i, (o, r) in enumerate(zip(outs, _refs[key])) if o != r] == []
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("scenario", ["chunked_prefill", "preemption", "prefix_caching"])
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
+def test_family_matches_hf(family_dir, scenario, attention):
+    engine = LLMEngine(EngineConfig.create(model=str(family_dir), attention=attention, quantization="none",
+                                           **SCENARIOS[scenario]))
+    _assert_workload_matches_hf(family_dir, engine)
 
 
 @pytest.mark.parametrize("speculative", ["ngram", "draft"])
@@ -93,13 +99,30 @@ def test_speculation_keeps_each_familys_greedy_output(family_dir, speculative):
     engine = LLMEngine(EngineConfig.create(model=str(family_dir), quantization="none", speculative=speculative,
                                            draft_model=str(family_dir) if speculative == "draft" else None,
                                            max_num_batched_tokens=64))
-    reqs = workload(VOCAB)
-    key = str(family_dir)
-    if key not in _refs:
-        _refs[key] = hf_greedy(family_dir, [r.prompt for r in reqs], [r.max_tokens for r in reqs])
-    outs = run(engine, reqs, use_priority=False)
-    assert [i for i, (o, r) in enumerate(zip(outs, _refs[key])) if o != r] == []
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    _assert_workload_matches_hf(family_dir, engine)
+
+
+def test_a_lora_adapter_on_each_family_equals_hf_and_peft(family_dir, tmp_path):
+    """An adapter on every Linear of a layer (Phi-3's as its checkpoint fuses them: qkv_proj, gate_up_proj): greedy
+    ids equal HF + peft's on prompts longer than the windows. A mixture of experts is refused by name (an adapter on
+    its experts is not served), nothing loaded."""
+    cfg = load_model_config(family_dir)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if cfg.model_type == "phi3" else None
+    adapter = make_adapter(family_dir, tmp_path / "adapter", rank=8, seed=1, targets=targets)
+    if cfg.moe_layers:
+        with pytest.raises(ValueError, match=f"adapters on a mixture-of-experts model \\({cfg.model_type}\\)"):
+            LLMEngine(EngineConfig.create(model=str(family_dir), quantization="none", lora_modules=f"a={adapter}"))
+        return
+    engine = LLMEngine(EngineConfig.create(model=str(family_dir), quantization="none", lora_modules=f"a={adapter}"))
+    prompts = [r.prompt for r in workload(VOCAB)[:6]]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, ignore_eos=True), lora_name="a")
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [outs[str(i)] for i in range(len(prompts))] == peft_greedy(family_dir, adapter, prompts, [12] * len(prompts))
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_an_int8_kv_cache_stays_within_its_bounds_on_each_family(family_dir):
