@@ -7,7 +7,7 @@ The folder holds the HF config, SmolLM2's tokenizer (the converter pads its 49,1
 as it pads any) and the quantized file; the float weights and the BF16 file are deleted once quantized. Random
 weights: speed only, no quality; a router of random weights spreads tokens over the experts about evenly.
 
-    python -m load_tests.random_gguf --shape qwen3-moe-2.9b-a0.5b [--ftype Q4_K_M]   # prints the folder
+    python -m load_tests.random_gguf --shape qwen3-moe-2.8b-a0.5b [--ftype Q4_K_M]   # prints the folder
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ converter["main"]()
 """
 
 
-def _qwen3_moe():  # Qwen3-30B-A3B's design, scaled: 2.9B parameters, 0.5B read per token (lm_head included)
+def _qwen3_moe():  # Qwen3-30B-A3B's design, scaled: 2.8B parameters, 0.54B read per token (lm_head included)
     from transformers import Qwen3MoeConfig
     return Qwen3MoeConfig(vocab_size=151936, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
                           num_key_value_heads=4, head_dim=128, intermediate_size=3072, moe_intermediate_size=768,
@@ -64,7 +64,7 @@ def _qwen3_1_7b():  # Qwen3-1.7B's config
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-SHAPES: dict[str, Callable] = {"qwen3-moe-2.9b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b}
+SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b}
 
 
 def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:

@@ -54,13 +54,13 @@ class MoE(nn.Module):
         chosen = experts.flatten()
         order = torch.argsort(chosen, stable=True)  # (token, choice) pairs, grouped by expert
         counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
-        tokens, pair_weights = order // self.top_k, weights.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(h)
-        start = 0
+        tokens = order // self.top_k
+        rows, ys, start = h[tokens], [], 0  # one gather; each expert's rows are a slice of it
         for expert, n in zip(self.experts, counts):
             if n:
-                rows = tokens[start:start + n]
-                y = expert.down_proj.call(gated(expert.gate_up_proj.call(h[rows])))
-                out.index_add_(0, rows, y * pair_weights[start:start + n])
+                ys.append(expert.down_proj.call(gated(expert.gate_up_proj.call(rows[start:start + n]))))
                 start += n
+        out = torch.zeros_like(h)
+        if ys:  # one weighted add, in the pairs' order: each token's experts in ascending order, as HF's loop adds them
+            out.index_add_(0, tokens, torch.cat(ys) * weights.flatten()[order].unsqueeze(-1))
         return out
