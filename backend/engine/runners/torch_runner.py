@@ -14,6 +14,7 @@ models/gptq_awq_weights.py), picked from the folder's config.json by itself (mod
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +54,16 @@ def resolve_attention(attention: str, device: torch.device) -> str:
     return "kernel"
 
 
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS. A load converts weights through transient copies (a GGUF's blocks
+    unpacked, then packed for their tactic) that glibc keeps once freed: a 2.8B Qwen3-MoE Q4_K_M's process held 8.5 GB
+    after load, 4.2 GB after this (AMD Zen 3, 2026-11-29)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 class TorchRunner:
     def __init__(self, model_dir: str | Path, dtype: str, num_blocks: int, block_size: int, device: str = "cpu",
                  attention: str = "auto", gemm_backend: str = "auto", quantization: str = "none",
@@ -70,6 +81,8 @@ class TorchRunner:
         if quantization == "gguf":
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
         self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
+        del state, stored
+        _return_freed_memory()
         self.model_config = cfg = self.model.cfg
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device, kv_cache_dtype)
