@@ -86,7 +86,7 @@ def quality(model: Path, max_tokens: int, only: set[str] | None = None, checkpoi
 
     tokenizer = load_tokenizer(model)
     text = tokenizer(fixed_text())["input_ids"][:max_tokens]
-    prompts = [encode(tokenizer, p, True) for p in PROMPTS]
+    prompts = [encode(tokenizer, p, tokenizer.chat_template is not None) for p in PROMPTS]  # a base model: raw text
     greedy = LLMEngine(EngineConfig.create(model=str(model), quantization="none")).generate(  # the float reference
         prompts, SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True))
     blocks = 2 * (max_tokens + 16 * GREEDY_TOKENS) // 16

@@ -25,6 +25,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.checkpoint_format import served_quantization
 from backend.engine.models.gguf_weights import gguf_file, load_gguf
 from backend.engine.models.weight_blocks import STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
+from backend.engine.runners import torch_runner
 from backend.engine.runners.gemm import TACTICS
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
@@ -147,9 +148,10 @@ MOE_TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output"
 
 
 @pytest.mark.parametrize("family", list(MOE))
-def test_a_mixture_of_experts_file_is_served_expert_by_expert(family, tmp_path):
+def test_a_mixture_of_experts_file_is_served_expert_by_expert(family, tmp_path, monkeypatch):
     """Each expert's slice of the file's 3-D tensors is that expert's Linear exactly, and the router is the folder's;
-    served as stored within the bounds above of float32 on the same values, the pool free afterwards. Dequantized
+    served as stored within the bounds above of float32 on the same values, the pool free afterwards; its experts
+    stacked into one call per Linear (int8-activation tactics) compute what they compute one by one. Dequantized
     (`none` on the file alone) it is greedy-equal to HF generate on the folder of its values: every expert in its
     place."""
     folder = write_gguf(save_random(tmp_path / "hf", MOE[family]()), tmp_path / "gguf", MOE_TYPES)
@@ -167,7 +169,14 @@ def test_a_mixture_of_experts_file_is_served_expert_by_expert(family, tmp_path):
     tactics = {(s.out_features, s.in_features): t for s, t in runner.gemm_tactics.items()}
     inter = runner.model.cfg.moe_intermediate_size  # an expert's gate/up: Q4_0 and Q4_1 rows; its down: Q8_0
     assert tactics[(2 * inter, 64)] == "q4_1_w4a8" and tactics[(64, inter)] in ("q8_0", "q8_0_w8a8")
+    # both int8-activation kernels: a layer's experts in one call per Linear (q8_0 has no experts kernel)
+    assert [layer.moe.stacked is not None for layer in runner.model.layers] == [tactics[(64, inter)] == "q8_0_w8a8"] * 2
     assert_near(all_logits(runner, tokens), all_logits(reference_runner, tokens), 0.05, 0.85)
+    w8a8 = TorchRunner(folder, "float32", 64, 16, gemm_backend="q8_0_w8a8", quantization="gguf")  # stacked here too
+    assert all(layer.moe.stacked is not None for layer in w8a8.model.layers)
+    monkeypatch.setattr(torch_runner, "stack_experts", lambda model: 0)
+    one_by_one = TorchRunner(folder, "float32", 64, 16, gemm_backend="q8_0_w8a8", quantization="gguf")
+    assert torch.equal(all_logits(w8a8, tokens), all_logits(one_by_one, tokens))
     engine = LLMEngine(EngineConfig.create(model=str(folder), quantization="gguf"))
     assert len(engine.generate([tokens[:30]], SamplingParams(max_tokens=8, ignore_eos=True))[0]) == 8
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

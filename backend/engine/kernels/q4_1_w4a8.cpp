@@ -26,9 +26,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "amx.h"
+#include "expert_groups.h"
 #include "scratch.h"
 #include "work_queue.h"
 
@@ -215,14 +217,17 @@ inline void rows_from(const int8_t* xq, const float* xd, const float* xs, int64_
   last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y, ldy, r);
 }
 
-template <bool kTable>  // threads split the panels (work_queue.h); y has whole panels, ldy columns
-void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
-                    const uint8_t* w, const float* d, const float* m, const int8_t* values, float* y, int64_t ldy) {
+template <bool kTable>  // threads split the (group, panel) items (work_queue.h); y has whole panels, ldy columns
+void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t panels,
+                    const llm_kernels::ExpertGroups& groups, const uint8_t* w, const float* d, const float* m,
+                    const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock;
-  llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t t) {
-    for (int64_t p; (p = queue.take(t)) >= 0;)
-      rows_from<kTable>(xq, xd, xs, M, K, w + p * nb * kPanelBytes, d + p * nb * kPanel,
-                        kTable ? nullptr : m + p * nb * kPanel, values, y + p * kPanel, ldy, 0);
+  llm_kernels::parallel_take(groups.items(panels), [&](llm_kernels::WorkQueue& queue, int64_t t) {
+    for (int64_t i; (i = queue.take(t)) >= 0;) {
+      const auto [r, rows, p, column_panel] = groups.item(i, panels);
+      rows_from<kTable>(xq + r * K, xd + r * nb, xs + r * nb, rows, K, w + p * nb * kPanelBytes, d + p * nb * kPanel,
+                        kTable ? nullptr : m + p * nb * kPanel, values, y + r * ldy + column_panel * kPanel, ldy, 0);
+    }
   });
 }
 
@@ -287,23 +292,28 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
 #endif
 #endif
 
-at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
-                            const at::Tensor& values, int64_t out_features) {
+// y = x @ W^T, or with groups each group of x's rows times its own expert's W (expert_groups.h).
+at::Tensor q4_1_w4a8(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
+                     const at::Tensor& m, const at::Tensor& values, int64_t out_features,
+                     const std::optional<llm_kernels::ExpertGroups>& experts) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "q4_1_w4a8_linear: x [M, K] float32 contiguous expected");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0), nb = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0, "q4_1_w4a8_linear: in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
+              ": x [M, K] float32 contiguous expected");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, stacked = packed.size(0), nb = K / kBlock;
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kBlock == 0, op, ": in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-              packed.size(1) == nb && packed.size(2) == kPanelBytes && panels * kPanel >= N,
-              "q4_1_w4a8_linear: weight packed [panels, K / 32, 256] uint8 for in_features ", K, " expected");
+              packed.size(1) == nb && packed.size(2) == kPanelBytes && stacked >= panels,
+              op, ": weight packed [panels, K / 32, 256] uint8 for in_features ", K, " expected");
+  const llm_kernels::ExpertGroups groups = experts ? *experts : llm_kernels::ExpertGroups::one(M);
+  TORCH_CHECK(experts || stacked == panels, op, ": ", stacked, " panels for ", N, " out_features");
   const bool table = values.numel() > 0;
-  TORCH_CHECK(d.is_contiguous() && d.sizes() == at::IntArrayRef({panels, nb, kPanel}) && d.scalar_type() == at::kFloat &&
+  TORCH_CHECK(d.is_contiguous() && d.sizes() == at::IntArrayRef({stacked, nb, kPanel}) && d.scalar_type() == at::kFloat &&
               (table ? m.numel() == 0 : m.is_contiguous() && m.sizes() == d.sizes() && m.scalar_type() == at::kFloat),
-              "q4_1_w4a8_linear: d [panels, K / 32, 16] float32 expected, and m as d (without values) or empty");
+              op, ": d [panels, K / 32, 16] float32 expected, and m as d (without values) or empty");
   TORCH_CHECK(!table || (values.sizes() == at::IntArrayRef({16}) && values.scalar_type() == at::kChar &&
                          values.is_contiguous()),
-              "q4_1_w4a8_linear: values (the weight of each 4-bit index) [16] int8, or empty, expected");
+              op, ": values (the weight of each 4-bit index) [16] int8, or empty, expected");
   const size_t q_bytes = llm_kernels::aligned64(M * K), f_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
   char* scratch = llm_kernels::thread_scratch(q_bytes + 2 * f_bytes);
   const float* px = x.data_ptr<float>();
@@ -319,26 +329,46 @@ at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   const float* pd = d.data_ptr<float>();
   float* py = y.data_ptr<float>();
 #if defined(LLM_AMX) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (M >= 32 && llm_kernels::amx_permitted()) {  // at 16 rows widening a panel for one tile cost more than it gave
+  // at 16 rows widening a panel for one tile cost more than it gave; experts' groups stay on VNNI (the same bits)
+  if (!experts && M >= 32 && llm_kernels::amx_permitted()) {
     if (table) amx_panels<true>(pxq, pxd, pxs, M, K, panels, pw, pd, nullptr, values.data_ptr<int8_t>(), py, ldy);
     else amx_panels<false>(pxq, pxd, pxs, M, K, panels, pw, pd, m.data_ptr<float>(), nullptr, py, ldy);
     return ldy == N ? y : y.narrow(1, 0, N).contiguous();
   }
 #endif
   if (table)
-    panels_times_x<true>(pxq, pxd, pxs, M, K, panels, pw, pd, nullptr, values.data_ptr<int8_t>(), py, ldy);
+    panels_times_x<true>(pxq, pxd, pxs, K, panels, groups, pw, pd, nullptr, values.data_ptr<int8_t>(), py, ldy);
   else
-    panels_times_x<false>(pxq, pxd, pxs, M, K, panels, pw, pd, m.data_ptr<float>(), nullptr, py, ldy);
+    panels_times_x<false>(pxq, pxd, pxs, K, panels, groups, pw, pd, m.data_ptr<float>(), nullptr, py, ldy);
   return ldy == N ? y : y.narrow(1, 0, N).contiguous();
 #else
-  TORCH_CHECK(false, "q4_1_w4a8_linear: needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
+  TORCH_CHECK(false, op, ": needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
 #endif
+}
+
+at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                            const at::Tensor& values, int64_t out_features) {
+  return q4_1_w4a8("q4_1_w4a8_linear", x, packed, d, m, values, out_features, std::nullopt);
+}
+
+at::Tensor q4_1_w4a8_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
+                             const at::Tensor& values, int64_t out_features, at::IntArrayRef experts,
+                             at::IntArrayRef offsets) {
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  return q4_1_w4a8("q4_1_w4a8_experts", x, packed, d, m, values, out_features,
+                   llm_kernels::ExpertGroups::of("q4_1_w4a8_experts", experts, offsets, x.size(0), packed.size(0),
+                                                 panels));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("q4_1_w4a8_linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor values, int out_features) -> Tensor");
+  m.def("q4_1_w4a8_experts(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor values, int out_features, "
+        "int[] experts, int[] offsets) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("q4_1_w4a8_linear", &q4_1_w4a8_linear); }
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("q4_1_w4a8_linear", &q4_1_w4a8_linear);
+  m.impl("q4_1_w4a8_experts", &q4_1_w4a8_experts);
+}

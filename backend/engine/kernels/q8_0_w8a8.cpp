@@ -21,8 +21,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "amx.h"
+#include "expert_groups.h"
 #include "scratch.h"
 #include "work_queue.h"
 
@@ -219,14 +221,17 @@ inline void rows_from(const uint8_t* pxq, const float* pxs, const float* pxsum, 
   last_rows<kRows - 1, SUB, MIN>(pxq, pxs, pxsum, M, K, one, y, N, cols, m);
 }
 
-// Every panel against every row of x; SUB weight scales per 32 values along K, and with MIN as many mins.
+// Every (group, panel) item (expert_groups.h); SUB weight scales per 32 values along K, and with MIN as many mins.
 template <int SUB, bool MIN>
-void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel all, float* py,
-            int64_t N, int64_t num_panels) {
-  llm_kernels::parallel_take(num_panels, [&](llm_kernels::WorkQueue& queue, int64_t t) {  // shares of the panels
-    for (int64_t p; (p = queue.take(t)) >= 0;)
-      rows_from<SUB, MIN>(pxq, pxs, pxsum, M, K, all.nth(p, K, SUB), py + p * kPanel, N,
-                          std::min(kPanel, N - p * kPanel), 0);
+void panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t K, Panel all, float* py, int64_t N,
+            int64_t num_panels, const llm_kernels::ExpertGroups& groups) {
+  const int64_t nb = K / kBlock;
+  llm_kernels::parallel_take(groups.items(num_panels), [&](llm_kernels::WorkQueue& queue, int64_t t) {
+    for (int64_t i; (i = queue.take(t)) >= 0;) {
+      const auto [r, rows, p, column_panel] = groups.item(i, num_panels);
+      rows_from<SUB, MIN>(pxq + r * K, pxs + r * nb, pxsum + r * 2 * nb, rows, K, all.nth(p, K, SUB),
+                          py + r * N + column_panel * kPanel, N, std::min(kPanel, N - column_panel * kPanel), 0);
+    }
   });
 }
 
@@ -290,24 +295,29 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
 #endif
 #endif  // LLM_W8A8
 
-at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins, const at::Tensor& comp, int64_t out_features) {
+// y = x @ W^T, or with groups each group of x's rows times its own expert's W (expert_groups.h).
+at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& mins, const at::Tensor& comp, int64_t out_features,
+                     const std::optional<llm_kernels::ExpertGroups>& experts) {
 #if defined(LLM_W8A8)
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "q8_0_w8a8_linear: x [M, K] float32 contiguous expected");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_panels = packed.size(0), nb = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0, "q8_0_w8a8_linear: in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
+              ": x [M, K] float32 contiguous expected");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, stacked = packed.size(0), nb = K / kBlock;
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(K % kBlock == 0, op, ": in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
-              packed.size(1) == K / 4 && packed.size(2) == kPanel && packed.size(3) == 4 && num_panels * kPanel >= N,
-              "q8_0_w8a8_linear: weight packed [panels, K / 4, 16, 4] for in_features ", K, " expected");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == num_panels &&
+              packed.size(1) == K / 4 && packed.size(2) == kPanel && packed.size(3) == 4 && stacked >= num_panels,
+              op, ": weight packed [panels, K / 4, 16, 4] for in_features ", K, " expected");
+  const llm_kernels::ExpertGroups groups = experts ? *experts : llm_kernels::ExpertGroups::one(M);
+  TORCH_CHECK(experts || stacked == num_panels, op, ": ", stacked, " panels for ", N, " out_features");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == stacked &&
               (scales.size(1) == nb || scales.size(1) == 2 * nb) && scales.size(2) == kPanel &&
               comp.is_contiguous() && comp.sizes() == scales.sizes() && comp.scalar_type() == at::kInt,
-              "q8_0_w8a8_linear: scales and comp [panels, K / 32 or K / 16, 16] expected");
+              op, ": scales and comp [panels, K / 32 or K / 16, 16] expected");
   const bool with_mins = mins.numel() > 0;  // none: an empty tensor
   TORCH_CHECK(!with_mins || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
                              mins.scalar_type() == at::kFloat),
-              "q8_0_w8a8_linear: mins as the scales (float32) or empty expected");
+              op, ": mins as the scales (float32) or empty expected");
   const size_t q_bytes = llm_kernels::aligned64(M * K), s_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
   char* scratch = llm_kernels::thread_scratch(q_bytes + s_bytes + 2 * M * nb * sizeof(float));
   const float* px = x.data_ptr<float>();
@@ -323,20 +333,34 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
   float* py = y.data_ptr<float>();
   const bool per_32 = scales.size(1) == nb;
 #if defined(LLM_AMX) && defined(__AMX_INT8__)
-  if (per_32 && M >= 16 && llm_kernels::amx_permitted()) {
+  if (!experts && per_32 && M >= 16 && llm_kernels::amx_permitted()) {  // experts' groups stay on VNNI: the same bits
     if (with_mins) amx_panels<true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
     else amx_panels<false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
     return y;
   }
 #endif
-  if (with_mins && per_32) panels<1, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
-  else if (with_mins) panels<2, true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
-  else if (per_32) panels<1, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
-  else panels<2, false>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
+  if (with_mins && per_32) panels<1, true>(pxq, pxs, pxsum, K, all, py, N, num_panels, groups);
+  else if (with_mins) panels<2, true>(pxq, pxs, pxsum, K, all, py, N, num_panels, groups);
+  else if (per_32) panels<1, false>(pxq, pxs, pxsum, K, all, py, N, num_panels, groups);
+  else panels<2, false>(pxq, pxs, pxsum, K, all, py, N, num_panels, groups);
   return y;
 #else
-  TORCH_CHECK(false, "q8_0_w8a8_linear: needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
+  TORCH_CHECK(false, op, ": needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
 #endif
+}
+
+at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& mins, const at::Tensor& comp, int64_t out_features) {
+  return q8_0_w8a8("q8_0_w8a8_linear", x, packed, scales, mins, comp, out_features, std::nullopt);
+}
+
+at::Tensor q8_0_w8a8_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                             const at::Tensor& mins, const at::Tensor& comp, int64_t out_features,
+                             at::IntArrayRef experts, at::IntArrayRef offsets) {
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  return q8_0_w8a8("q8_0_w8a8_experts", x, packed, scales, mins, comp, out_features,
+                   llm_kernels::ExpertGroups::of("q8_0_w8a8_experts", experts, offsets, x.size(0), packed.size(0),
+                                                 panels));
 }
 
 }  // namespace
@@ -344,6 +368,11 @@ at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, int out_features) -> "
         "Tensor");
+  m.def("q8_0_w8a8_experts(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, int out_features, "
+        "int[] experts, int[] offsets) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { m.impl("q8_0_w8a8_linear", &q8_0_w8a8_linear); }
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {
+  m.impl("q8_0_w8a8_linear", &q8_0_w8a8_linear);
+  m.impl("q8_0_w8a8_experts", &q8_0_w8a8_experts);
+}

@@ -114,16 +114,36 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def _float_bias(bias: torch.Tensor | None, gemm: Gemm) -> Gemm:
+@dataclass(frozen=True)
+class FloatBias:
     """A float32 kernel's product (+ bias) in the model dtype."""
-    b = None if bias is None else bias.float()
+    gemm: Gemm
+    bias: torch.Tensor | None  # float32
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if b is None and x.dtype == torch.float32:  # a float32 model: nothing to convert (one call, not three)
-            return gemm(x.contiguous())
-        y = gemm(x.float().contiguous())
-        return (y if b is None else y + b).to(x.dtype)
-    return run
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and x.dtype == torch.float32:  # a float32 model: nothing to convert (one call, not three)
+            return self.gemm(x.contiguous())
+        y = self.gemm(x.float().contiguous())
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+def _float_bias(bias: torch.Tensor | None, gemm: Gemm) -> FloatBias:
+    return FloatBias(gemm, None if bias is None else bias.float())
+
+
+@dataclass(frozen=True)
+class PackedKernel:
+    """One of our int8 GEMM kernels with its packed weight: `op(x, *panels, *shared, out_features)`. `panels` are
+    per 16 output channels along dim 0 (so the experts of a mixture-of-experts layer stack into one: runners/
+    expert_gemm.py, `experts_op`), `shared` the same for every expert (a 4-bit index table)."""
+    op: Callable[..., torch.Tensor]
+    experts_op: Callable[..., torch.Tensor]
+    panels: tuple[torch.Tensor, ...]
+    shared: tuple[torch.Tensor, ...]
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, *self.panels, *self.shared, self.out_features)
 
 
 def _f32_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
@@ -179,7 +199,9 @@ def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Ge
     scales, mins = _panel_major(blocks.scale), _panel_major(blocks.m)
     # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
     comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_w8a8_linear(x, packed, scales, mins, comp, n))
+    ops = torch.ops.llm_kernels
+    return _float_bias(bias, PackedKernel(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts, (packed, scales, mins, comp),
+                                          (), n))
 
 
 def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Gemm:
@@ -193,7 +215,8 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256).contiguous()
     d, m = _panel_major(blocks.d), _panel_major(blocks.m)
     values = torch.empty(0, dtype=torch.int8) if blocks.values is None else blocks.values
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q4_1_w4a8_linear(x, packed, d, m, values, n))
+    ops = torch.ops.llm_kernels
+    return _float_bias(bias, PackedKernel(ops.q4_1_w4a8_linear, ops.q4_1_w4a8_experts, (packed, d, m), (values,), n))
 
 
 def _triton_blocks(weight: torch.Tensor | Blocks, bias: torch.Tensor | None, form: Callable[..., Blocks]) -> Gemm:

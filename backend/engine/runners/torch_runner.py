@@ -27,6 +27,7 @@ from backend.engine.models.config import load_model_config
 from backend.engine.models.llama import KernelLayout, load_model
 from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
+from backend.engine.runners.expert_gemm import stack_experts
 from backend.engine.runners.gemm import use_tactics
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class TorchRunner:
         if quantization == "gguf":
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
         self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
+        if stacked := stack_experts(self.model):
+            log.info("MoE: %d layers' experts stacked, one kernel call per Linear", stacked)
         del state, stored
         _return_freed_memory()
         self.model_config = cfg = self.model.cfg
