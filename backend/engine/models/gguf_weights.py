@@ -159,7 +159,13 @@ def load_gguf(model_dir: str | Path, cfg: ModelConfig) -> tuple[dict[str, torch.
     (`layers.0.qkv_proj`, `lm_head`, ...) -> its weight as stored, plus `embed_tokens`): llama.load_model builds the
     model from these alone."""
     gguf = GgufFile(model_dir, cfg)
-    hf = {h.removeprefix("model."): gguf.unpermute(gguf.stored(g), g) for h, g in gguf.linears().items()}
-    out = {"embed_tokens": hf["embed_tokens.weight"]}
-    out.update({name: cat_rows([hf[s + ".weight"] for s in sources]) for name, sources in fused_linears(cfg).items()})
+    names = {h.removeprefix("model."): g for h, g in gguf.linears().items()}
+    embedding = gguf.stored(names["embed_tokens.weight"])
+
+    def decoded(hf_name: str) -> Weight:  # one tensor at a time, when its fused Linear is built: not all, then copies
+        g = names[hf_name]
+        return embedding if g == names["embed_tokens.weight"] else gguf.unpermute(gguf.stored(g), g)  # a tied lm_head
+
+    out = {"embed_tokens": embedding}
+    out.update({name: cat_rows([decoded(s + ".weight") for s in sources]) for name, sources in fused_linears(cfg).items()})
     return gguf.norms_and_biases(), out

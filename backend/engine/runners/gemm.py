@@ -382,8 +382,8 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
     """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from the `stored`
     weight of its name (each part of a `Stacked` one its own tactic, the outputs concatenated; an `InputsPermuted` one
     gathers its inputs first); a tactic that keeps its own copy of the weight (packed, float32 or int8), and every
-    stored one, releases the module's. A forced `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its
-    own)."""
+    stored one, releases the module's; `stored` is consumed, each weight dropped once its tactic holds it. A forced
+    `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -405,7 +405,9 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
         chosen.update({unit: picks[shapes[unit]] for unit in of_form})
     for name, linear in linears.items():
         gemms, first = [], 0
-        for i, weight in enumerate(parts[name]):
+        if stored is not None:
+            stored.pop(name)  # with parts[name] below: each stored weight freed once packed, not all after the last
+        for i, weight in enumerate(parts.pop(name)):
             rows = rows_of(weight)
             bias = None if linear.bias is None else linear.bias[first:first + rows]
             first += rows
