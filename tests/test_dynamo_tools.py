@@ -1,6 +1,7 @@
-"""Tool calls through Dynamo's frontend: a real frontend and one worker registered with `--dyn-tool-call-parser
-hermes` (the Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, fits SmolLM2's ChatML),
-serving the tiny random Llama from .venv-dynamo (`make dynamo-venv`).
+"""Tool calls through Dynamo's frontend: a real frontend and one worker registered with
+`--dyn-tool-call-parser hermes` (the Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, fits
+SmolLM2's ChatML) and `--dyn-reasoning-parser qwen3` (Qwen3's, for `<think>...</think>`), serving the tiny random
+Llama from .venv-dynamo (`make dynamo-venv`).
 
 Neither the tiny model nor SmolLM2-135M writes a tool call on its own, so each request forces one with guided
 decoding: a guided regex for the exact Hermes text (the frontend's parser turns it into `tool_calls`; without
@@ -30,9 +31,14 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Lyon?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, tmp_path_factory):
-    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("dynamo-tools-logs"),
-                            ("--dyn-tool-call-parser", "hermes"), workers=1)
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("dynamo-tools-logs")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir, logs):
+    cluster = start_cluster(tiny_model_dir, logs,
+                            ("--dyn-tool-call-parser", "hermes", "--dyn-reasoning-parser", "qwen3"), workers=1)
     yield OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=60)
     cluster.stop()
 
@@ -71,3 +77,12 @@ def test_a_forced_tool_choice_is_guided_by_the_tools_schema(client, tool_choice)
     [call] = out.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS)
+
+
+def test_the_frontend_takes_the_workers_parsers(client, logs):
+    """The worker's parser flags reach the frontend with its registration: Dynamo's own log of the route it chose.
+    (A guided `<think>...</think>` answer still came back whole in `content` with Dynamo 1.6.1's qwen3 parser, with
+    and without chat_template_kwargs enable_thinking: the parser's effect is Dynamo's, not checked here.)"""
+    client.models.list()
+    assert re.search(r'tool_parser\S*=\S*Some\("hermes"\).*reasoning_parser\S*=\S*Some\("qwen3"\)',
+                     (logs / "frontend.log").read_text())

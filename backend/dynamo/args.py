@@ -26,6 +26,9 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--dyn-tool-call-parser", default=None, metavar="NAME",
                    help="the frontend's parser for tool calls in this model's output, as Dynamo's own workers name "
                         "it: hermes fits ChatML models such as SmolLM2 (<tool_call>{...}</tool_call>); default: none")
+    p.add_argument("--dyn-reasoning-parser", default=None, metavar="NAME",
+                   help="the frontend's parser that moves this model's reasoning into reasoning_content, as Dynamo's "
+                        "own workers name it: qwen3 for Qwen3's <think>...</think> (docs/dynamo.md); default: none")
     engine = p.add_argument_group("engine settings (as in config.pbtxt; defaults in backend/engine/config.py)")
     for name, field in setting_fields().items():
         engine.add_argument("--" + name.replace("_", "-"), dest=name, metavar=str(field.type).split(" |")[0].upper(),

@@ -71,7 +71,8 @@ class EngineWorker(DynamoEngine):
             namespace=args.namespace, component=args.component, endpoint="generate",
             model_name=engine_config.model, served_model_name=args.served_model_name,
             discovery_backend=args.discovery_backend, request_plane="tcp", event_plane=args.event_plane,
-            disaggregation_mode=MODES[args.role], tool_call_parser=args.dyn_tool_call_parser)
+            disaggregation_mode=MODES[args.role], tool_call_parser=args.dyn_tool_call_parser,
+            reasoning_parser=args.dyn_reasoning_parser)
         return worker, config
 
     async def start(self, worker_id: int) -> RegisteredModel:
