@@ -2,8 +2,8 @@
 to HF `generate` in float32, with chunked prefill, prefix-cache hits and preemption (test_engine_correctness's
 workload: 22 prompts of 1-300 tokens, many longer than the sliding windows here), the KV pool all free afterwards.
 Both attention paths: the CPU kernel and the gather graph. Small shapes: 2-4 layers, GQA, 8 experts top-2 for the
-mixtures. Per family too: speculation (n-gram, and the model drafting for itself) keeps HF's greedy ids; the int8 KV
-cache stays within its bounds. Bad input: an unknown model_type, a rope type not implemented, a feature not served:
+mixtures (gpt-oss: sinks, YaRN, biased experts and router, alternating windows). Per family too: speculation (n-gram,
+and the model drafting for itself) keeps HF's greedy ids; the int8 KV cache stays within its bounds. Bad input: an unknown model_type, a rope type not implemented, a feature not served:
 refused by name."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (Gemma3TextConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (Gemma3TextConfig, GptOssConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from backend.engine import EngineConfig, LLMEngine, SamplingParams
 from backend.engine.models.config import SLIDING, load_model_config
@@ -26,6 +26,7 @@ from tests.test_quantization import all_logits, assert_near
 
 VOCAB = 512
 WINDOW = 48  # shorter than most prompts of the workload: the window matters
+SINK_STD = 8.0  # gpt-oss's sinks: near the random attention's top scores, so they move its outputs
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
               pad_token_id=0, initializer_range=0.5)
@@ -47,6 +48,10 @@ FAMILIES = {
                                         mlp_only_layers=[1]),
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
                                      num_experts_per_tok=2, sliding_window=WINDOW),
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}, intermediate_size=32, num_hidden_layers=2,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=[SLIDING, "full_attention"]),
 }
 
 
@@ -60,6 +65,10 @@ def save_random(path: Path, config, seed: int = 0) -> Path:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.data.normal_(0.0, 0.3)
+        if isinstance(config, GptOssConfig):  # HF starts gpt-oss's expert biases at 0, and its sinks small: make them
+            for name, p in model.named_parameters():  # matter (the random attention's scores are large)
+                if name.endswith("proj_bias") or name.endswith("sinks"):
+                    p.data.normal_(0.0, 2.0 if name.endswith("proj_bias") else SINK_STD)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
@@ -157,7 +166,7 @@ def test_a_sliding_model_holds_a_window_of_blocks(tmp_path):
 
 def test_the_families_read_as_their_configs_say(tmp_path):
     """The facts each family's decoder runs on: the windows per layer, q/k norms, Gemma's norms and scales,
-    Phi's partial rotary, the experts and which layers have them."""
+    Phi's partial rotary, the experts and which layers have them, gpt-oss's sinks, biases and activation."""
     cfgs = {name: load_model_config(save_random(tmp_path / name, make())) for name, make in FAMILIES.items()}
     assert [cfgs["qwen3"].window(i) for i in range(3)] == [0, WINDOW, WINDOW] and cfgs["qwen3"].qk_norm
     assert [cfgs["gemma3_text"].window(i) for i in range(4)] == [WINDOW, WINDOW, 0, WINDOW]
@@ -168,6 +177,10 @@ def test_the_families_read_as_their_configs_say(tmp_path):
     assert cfgs["phi3"].rotary_dim == 8 and cfgs["phi3"].sliding_window == 0
     assert cfgs["qwen3_moe"].moe_layers == (0,) and cfgs["qwen3_moe"].num_experts == 8
     assert cfgs["mixtral"].moe_layers == (0, 1) and cfgs["mixtral"].norm_topk_prob
+    oss = cfgs["gpt_oss"]
+    assert [oss.window(i) for i in range(2)] == [WINDOW, 0] and oss.max_window == 0
+    assert oss.attention_sinks and oss.attention_bias and oss.o_proj_bias and oss.router_bias and oss.expert_bias
+    assert (oss.activation, oss.swiglu_alpha, oss.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
 
 
 def _edited(folder: Path, tmp_path: Path, **changes) -> Path:

@@ -74,10 +74,12 @@ def test_no_tokens_no_work():
 
 @pytest.mark.parametrize("quantization, tactic", [("int4", "q4_1_w4a8"), ("int8", "q8_0_w8a8")])
 @pytest.mark.parametrize("routing", ["spread", "all_to_two"])
-def test_stacked_experts_equal_the_experts_one_by_one(quantization, tactic, routing):
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_experts_equal_the_experts_one_by_one(quantization, tactic, routing, bias):
     """One kernel call per Linear over every expert's rows (some experts without a row, one or two rows, all of them)
-    computes what a call per expert does, bit for bit: decode (1 token), a batch, no tokens."""
-    moe = random_moe(3, dataclasses.replace(CFG, moe_intermediate_size=96))  # K of down: 3 blocks of 32
+    computes what a call per expert does, bit for bit: decode (1 token), a batch, no tokens; with experts' biases
+    (gpt-oss's) too."""
+    moe = random_moe(3, dataclasses.replace(CFG, moe_intermediate_size=96, expert_bias=bias))  # down's K: 3 blocks
     use_tactics(moe, torch.device("cpu"), tactic, quantization)
     h = routed(moe, routing)
     batches = [h[:1], h[:2], h, h[:0]]

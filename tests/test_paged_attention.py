@@ -63,8 +63,20 @@ def test_a_sliding_window_equals_gather(dtype, tol, kv_int8, heads):
     check_kernel_equals_gather(dtype, tol, kv_int8, heads, MIXED + LONG_DECODES[2:], 160, window=9)
 
 
+@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
+                                               (torch.float32, 2e-5, True)])
+def test_attention_sinks_equal_gather(dtype, tol, kv_int8, window):
+    """gpt-oss's sinks (a logit per head in each softmax's sum), with and without a window: the kernel's decodes,
+    tiles and long decodes equal the gather path's, which counts each sink as one more key of zero value (and which
+    test_model_families holds to HF). Sinks of -3..3: some outweigh every key, some none."""
+    sinks = torch.linspace(-3.0, 3.0, 9)
+    check_kernel_equals_gather(dtype, tol, kv_int8, (9, 3, 64), MIXED + LONG_DECODES[2:], 160, window, sinks)
+
+
 def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, heads: tuple[int, int, int],
-                               cases: list[tuple[int, int]], num_blocks: int, window: int = 0) -> None:
+                               cases: list[tuple[int, int]], num_blocks: int, window: int = 0,
+                               sinks: torch.Tensor | None = None) -> None:
     H, KVH, D = heads
     CFG = ModelConfig("llama", 100, H * D, 4 * H * D, 1, H, KVH, D, 4096, 1e-5, True, False, ())
     cpu_kernels.load()
@@ -80,9 +92,9 @@ def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, he
 
     rows = RowLayout(t["row_block_tables"], t["row_token_index"], t["positions"][t["row_token_index"]],
                      t["kv_src"], t["kv_dst"], t["token_slot"])
-    expected = rows.attend(q, k, v, cache_k.clone(), cache_v.clone(), CFG, window)
+    expected = rows.attend(q, k, v, cache_k.clone(), cache_v.clone(), CFG, window, sinks)
     kernel = KernelLayout(t["block_tables"], t["query_start"], t["context_lens"], t["slot_mapping"])
-    got = kernel.attend(q, k, v, cache_k, cache_v, CFG, window)
+    got = kernel.attend(q, k, v, cache_k, cache_v, CFG, window, sinks)
 
     assert got.dtype == dtype and got.shape == expected.shape == (T, H * D)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

@@ -37,12 +37,16 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_ctx;
   float scale;
   int64_t window;  // a sliding window: a query at position p sees keys p - window + 1 .. p; 0: all keys up to p
+  const float* sinks = nullptr;  // [num_heads] a logit each head's softmax counts in its sum (gpt-oss), or none
+  const float* sink(int64_t head) const { return sinks ? sinks + head : nullptr; }
 };
 
-// x[0..n) -> exp(x - max x) in place; returns their sum. Whole vectors, then the last n % kLanes lanes.
-inline float softmax(float* __restrict x, int64_t n) {
+// x[0..n) -> exp(x - m) in place, m the max of x (and of *sink); returns their sum, plus exp(*sink - m) with a sink
+// (a key that every query sees with score *sink and a value of zero: HF's gpt-oss attention). Whole vectors, then the
+// last n % kLanes lanes.
+inline float softmax(float* __restrict x, int64_t n, const float* sink = nullptr) {
   const int64_t whole = n - n % kLanes;
-  float mx = x[0];
+  float mx = sink ? std::max(x[0], *sink) : x[0];
   for (int64_t i = whole; i < n; ++i) mx = std::max(mx, x[i]);
   if (whole) {
     vfloat m = load(x);
@@ -62,7 +66,8 @@ inline float softmax(float* __restrict x, int64_t n) {
     const vfloat e = fast_exp(tail - mx);
     for (int64_t i = 0; i < n - whole; ++i) rest += (x[whole + i] = e[i]);
   }
-  return sum(total) + rest;
+  const float all = sum(total) + rest;
+  return sink ? all + std::exp(*sink - mx) : all;
 }
 
 // An int8 cache row's scale (kv_quantization.py: a float32 after the row's head_dim values); 1 for other caches.
@@ -148,7 +153,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 
   float *__restrict acc1 = acc + H * D, *__restrict inv = acc + 2 * H * D;  // two chains of FMAs: keys j and j + 1
   std::fill(acc, acc + 2 * H * D, 0.f);
-  for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo);
+  for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo, shape.sink(h));
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(v_cache, s0, s1);
@@ -263,7 +268,7 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
     }
     std::fill(acc, acc + G * D, 0.f);
     for (int64_t g = 0; g < G; ++g) {
-      const float inv = 1.f / softmax(scores + g * shape.max_ctx + lo, n - lo);
+      const float inv = 1.f / softmax(scores + g * shape.max_ctx + lo, n - lo, shape.sink(kh * G + g));
       for (int64_t j = lo; j < n; ++j) scores[g * shape.max_ctx + j] *= inv;
     }
     for (int64_t j0 = lo; j0 < n; j0 += 16) {
@@ -407,7 +412,7 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
   for (int64_t r = 0; r < R; ++r) {  // row r sees keys lo..n - 1: p is zero elsewhere
     const int64_t n = n_first + r / G, lo = shape.window ? std::max<int64_t>(0, n - shape.window) : 0;
     float* s = scores + r * stride;
-    sc.inv[r] = 1.f / softmax(s + lo, n - lo);
+    sc.inv[r] = 1.f / softmax(s + lo, n - lo, shape.sink(kh * G + r % G));
     std::fill(s, s + lo, 0.f);
     std::fill(s + n, s + n_max, 0.f);
   }
@@ -530,7 +535,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
   const int64_t HD = shape.num_heads * shape.head_dim, group = shape.num_heads / shape.num_kv_heads;
 #if defined(LLM_AMX)
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
-  const bool amx = kBf16 && shape.head_dim % 32 == 0 && shape.window == 0 && amx_permitted();
+  const bool amx = kBf16 && shape.head_dim % 32 == 0 && shape.window == 0 && !shape.sinks && amx_permitted();
 #else
   const bool amx = false;
 #endif
@@ -630,7 +635,8 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale,
-                           const std::optional<at::Tensor>& prompt_lens, int64_t window) {
+                           const std::optional<at::Tensor>& prompt_lens, int64_t window,
+                           const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_attention: bad shapes");
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -644,6 +650,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(!prompt_lens || (prompt_lens->scalar_type() == at::kLong && prompt_lens->numel() == context_lens.numel()),
               "paged_attention: prompt_lens [S] int64");
   TORCH_CHECK(window >= 0, "paged_attention: window >= 0 (0: none)");
+  TORCH_CHECK(!sinks || sinks->numel() == q.size(1), "paged_attention: sinks [num_heads]");
+  const auto sk = sinks ? sinks->to(at::kFloat).contiguous() : at::Tensor();
   const auto qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const auto bt = block_tables.contiguous(), qs = query_start.contiguous(), cl = context_lens.contiguous();
   const auto pl = prompt_lens ? prompt_lens->contiguous() : at::Tensor();
@@ -651,7 +659,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   dispatch(q, "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
     const Shape shape{qc.size(1), kc.size(2), qc.size(2), kc.size(1), bt.size(1), 1, static_cast<float>(scale),
-                      window};
+                      window, sk.defined() ? sk.data_ptr<float>() : nullptr};
     const auto run = [&](auto* k, auto* v) {
       attend(qc.data_ptr<scalar_t>(), k, v, out.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), qs.data_ptr<int64_t>(),
              cl.data_ptr<int64_t>(), pl.defined() ? pl.data_ptr<int64_t>() : nullptr, cl.size(0), shape);
@@ -726,14 +734,16 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k, a
 at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                             const at::Tensor& query_start, const at::Tensor& context_lens, double scale,
-                            const std::optional<at::Tensor>& prompt_lens, int64_t window) {
+                            const std::optional<at::Tensor>& prompt_lens, int64_t window,
+                            const std::optional<at::Tensor>& sinks) {
   if (k_cache.scalar_type() == at::kChar) {
     write_int8_rows(k, k_cache, slot_mapping);
     write_int8_rows(v, v_cache, slot_mapping);
   } else {
     write_rows(k, v, k_cache, v_cache, slot_mapping);
   }
-  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, prompt_lens, window);
+  return paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, prompt_lens, window,
+                         sinks);
 }
 
 // A decoder layer's attention from its fused qkv projection [T, (H + 2 KVH) D]: q and k RMS-normed per head where the
@@ -744,7 +754,8 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
                       at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start, const at::Tensor& context_lens, int64_t num_heads, double scale,
                       const std::optional<at::Tensor>& prompt_lens, const std::optional<at::Tensor>& q_norm,
-                      const std::optional<at::Tensor>& k_norm, double eps, int64_t window) {
+                      const std::optional<at::Tensor>& k_norm, double eps, int64_t window,
+                      const std::optional<at::Tensor>& sinks) {
   const int64_t T = qkv.size(0), KVH = k_cache.size(2), D = k_cache.size(3) - (k_cache.scalar_type() == at::kChar ? 4 : 0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * KVH) * D, "attend_qkv: qkv [T, (H + 2 KVH) D]");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "attend_qkv: q_norm and k_norm go together");
@@ -757,7 +768,7 @@ at::Tensor attend_qkv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   }
   llm_kernels::rotary(q, k, cos, sin);
   return write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, block_tables, query_start, context_lens, scale,
-                          prompt_lens, window)
+                          prompt_lens, window, sinks)
       .view({T, num_heads * D});
 }
 
@@ -767,12 +778,12 @@ TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
   m.def("attend_qkv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, int num_heads, "
         "float scale, Tensor? prompt_lens=None, Tensor? q_norm=None, Tensor? k_norm=None, float eps=1e-6, "
-        "int window=0) -> Tensor");
+        "int window=0, Tensor? sinks=None) -> Tensor");
   m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale, Tensor? prompt_lens=None, "
-        "int window=0) -> Tensor");
+        "int window=0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor context_lens, float scale, Tensor? prompt_lens=None, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? prompt_lens=None, int window=0, Tensor? sinks=None) -> Tensor");
   m.def("write_int8_rows(Tensor x, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def("write_rows(Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slot_mapping) -> ()");
 }

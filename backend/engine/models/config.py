@@ -11,6 +11,9 @@ architecture tables do; vLLM's files per family each repeat a decoder). By confi
   attention scaled by query_pre_attn_scalar ** -0.5.
 - phi3 (Phi-3, Phi-4-mini): q/k/v and gate/up fused in the checkpoint, partial rotary, LongRoPE.
 - qwen3_moe, mixtral: mixture-of-experts MLPs (models/moe.py), attention as qwen3's / mistral's.
+- gpt_oss: attention with biases and a learned sink logit per head (a key every query sees, of no value), sliding
+  and full layers alternating (`layer_types`), YaRN; experts with biases, a router with a bias whose top k logits are
+  softmaxed, a clamped SwiGLU ((up + 1) * gate * sigmoid(alpha gate), both clamped to `swiglu_limit`).
 Anything else, a rope type not listed in ROPE_TYPES, or a feature of a family that is not implemented (logit
 softcapping in attention, bidirectional attention) is refused by name when the model loads.
 """
@@ -39,18 +42,21 @@ class Family:
     qk_norm: bool = False  # RMSNorm per head on q and k before the rotary
     window_everywhere: bool = False  # `sliding_window`, when set, on every layer (else where `layer_types` says)
     gemma: bool = False  # Gemma 3's norms, activation, embedding scale and rope per layer kind
-    moe: str = ""  # the mixture-of-experts form (models/moe.py): qwen3_moe | mixtral
+    moe: str = ""  # the mixture-of-experts form (models/moe.py): qwen3_moe | mixtral | gpt_oss
+    o_bias: bool = False  # config.json's attention_bias puts a bias on o_proj too (not only on q/k/v)
 
 
 FAMILIES = {
-    "llama": Family("llama", "LlamaRotaryEmbedding"),
+    "llama": Family("llama", "LlamaRotaryEmbedding", o_bias=True),
     "mistral": Family("mistral", "MistralRotaryEmbedding", window_everywhere=True),
     "qwen2": Family("qwen2", "Qwen2RotaryEmbedding", qkv_bias=True),
-    "qwen3": Family("qwen3", "Qwen3RotaryEmbedding", qk_norm=True),
-    "gemma3_text": Family("gemma3", "Gemma3RotaryEmbedding", qk_norm=True, gemma=True),
+    "qwen3": Family("qwen3", "Qwen3RotaryEmbedding", qk_norm=True, o_bias=True),
+    "gemma3_text": Family("gemma3", "Gemma3RotaryEmbedding", qk_norm=True, gemma=True, o_bias=True),
     "phi3": Family("phi3", "Phi3RotaryEmbedding", window_everywhere=True),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeRotaryEmbedding", qk_norm=True, window_everywhere=True, moe="qwen3_moe"),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeRotaryEmbedding", qk_norm=True, window_everywhere=True, moe="qwen3_moe",
+                        o_bias=True),
     "mixtral": Family("mixtral", "MixtralRotaryEmbedding", window_everywhere=True, moe="mixtral"),
+    "gpt_oss": Family("gpt_oss", "GptOssRotaryEmbedding", moe="gpt_oss", o_bias=True),
 }
 
 
@@ -70,7 +76,10 @@ class ModelConfig:
     attention_bias: bool  # on q/k/v
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False
-    activation: str = "silu"  # of the gated MLP: silu | gelu_tanh
+    activation: str = "silu"  # of the gated MLP: silu | gelu_tanh | clamped_swiglu (gpt-oss: swiglu_alpha, _limit)
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    attention_sinks: bool = False  # a learned logit per head in every softmax's sum (gpt-oss)
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     sandwich_norms: bool = False  # Gemma: norms on the attention and MLP outputs, and one before the MLP
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default: head_dim)
@@ -86,6 +95,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    router_bias: bool = False  # gpt-oss: the router has a bias, and the top k of its logits are softmaxed
+    expert_bias: bool = False  # the experts' Linears have biases
 
     @property
     def family(self) -> Family:
@@ -166,6 +177,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         extra = dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
                      moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True,
                      moe_layers=tuple(range(hf.num_hidden_layers)))
+    elif family.moe == "gpt_oss":
+        extra = dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                     moe_intermediate_size=hf.intermediate_size, moe_layers=tuple(range(hf.num_hidden_layers)),
+                     router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_alpha=hf.swiglu_alpha,
+                     swiglu_limit=hf.swiglu_limit, attention_sinks=True)
     return ModelConfig(
         model_type=hf.model_type,
         vocab_size=hf.vocab_size,
@@ -185,7 +201,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         layer_types=layer_types,
         rotary_dim=0 if rotary == head_dim else rotary,
         final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
-        o_proj_bias=family.qk_norm and bool(getattr(hf, "attention_bias", False)),  # Qwen3's and Gemma's bias: o too
+        o_proj_bias=family.o_bias and bool(getattr(hf, "attention_bias", False)),
         **extra,
     )
 
@@ -215,6 +231,8 @@ def rope_tables(model_dir: str | Path, cfg: ModelConfig, max_positions: int) -> 
             dummy = torch.zeros(1, dtype=torch.float32)
             positions = torch.arange(a, b)[None]
             c, s = rotary(dummy, positions, kind) if cfg.family.gemma else rotary(dummy, positions)
+            if 2 * c.shape[-1] == (cfg.rotary_dim or cfg.head_dim):  # gpt-oss's class: each frequency once, which
+                c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)  # its two halves share (rotate_half's form)
             cos.append(c[0].float())
             sin.append(s[0].float())
         tables[kind] = (torch.cat(cos), torch.cat(sin))

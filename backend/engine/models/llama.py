@@ -1,7 +1,8 @@
 """The decoder every served family runs (models/config.py: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the
-Qwen3-MoE and Mixtral mixtures of experts: models/moe.py), with a ragged, paged forward. A family's differences are
-its ModelConfig's data: q/k norms, the MLP's activation, Gemma's norms around each sublayer and scaled embeddings,
-sliding windows per layer, a partial rotary, rope tables per layer kind, experts in place of the MLP.
+Qwen3-MoE, Mixtral and gpt-oss mixtures of experts: models/moe.py), with a ragged, paged forward. A family's
+differences are its ModelConfig's data: q/k norms, the MLP's activation, Gemma's norms around each sublayer and scaled
+embeddings, sliding windows per layer, a partial rotary, rope tables per layer kind, experts in place of the MLP,
+attention sinks.
 
 `PagedLlama.forward` is one tensor function over a flat batch of tokens from many sequences: no
 padding per sequence, no Python loop over sequences, no shape computed from data. That is what
@@ -37,7 +38,7 @@ from torch import nn
 from backend.engine.kv_quantization import as_stored, dequantize
 from backend.engine.models.config import FULL, SLIDING, ModelConfig, load_model_config, rope_tables
 from backend.engine.models.layers import Linear, RMSNorm
-from backend.engine.models.moe import CHECKPOINT_NAMES, MoE
+from backend.engine.models.moe import CHECKPOINT_NAMES, MoE, split_stacked_experts
 from backend.engine.models.weight_blocks import Weight, shape_of
 
 class TorchOps:
@@ -78,6 +79,14 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 
+    @staticmethod
+    def clamped_swiglu_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's activation, as HF computes it: gate clamped above, up both ways, (up + 1) * gate * sigmoid(alpha
+        gate)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
 
 class KernelOps:
     """TorchOps on the CPU kernels (backend/engine/kernels/fused_ops.cpp); residual and q/k change in place."""
@@ -102,6 +111,7 @@ class KernelOps:
         return torch.ops.llm_kernels.silu_mul(gate_up)
 
     gelu_tanh_mul = TorchOps.gelu_tanh_mul
+    clamped_swiglu_mul = TorchOps.clamped_swiglu_mul
 
 
 class TritonOps:
@@ -136,6 +146,7 @@ class TritonOps:
         return triton_ops.silu_mul(gate_up)
 
     gelu_tanh_mul = TorchOps.gelu_tanh_mul
+    clamped_swiglu_mul = TorchOps.clamped_swiglu_mul
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +155,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # DecoderLayer.linears, by name
-GATED = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}  # the MLP's activation -> its op
+GATED = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul", "clamped_swiglu": "clamped_swiglu_mul"}  # activation -> op
 
 
 def _with_lora(call: Callable[[torch.Tensor], torch.Tensor], lora, index: int, name: str,
@@ -165,6 +176,8 @@ class DecoderLayer(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # gpt-oss: a logit per head that every query's softmax counts in its sum, as a key of no value would be
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention's output; these the MLP's
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -204,6 +217,8 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h: torch.Tensor, projections: list[Callable[[torch.Tensor], torch.Tensor]], ops) -> torch.Tensor:
         gated = getattr(ops, GATED[self.cfg.activation])
+        if self.cfg.activation == "clamped_swiglu":
+            gated = functools.partial(gated, alpha=self.cfg.swiglu_alpha, limit=self.cfg.swiglu_limit)
         if self.moe is not None:
             return self.moe(h, gated)
         gate_up, down = projections
@@ -223,7 +238,7 @@ def split_attend(rows: RowLayout | TritonLayout, qkv: torch.Tensor, cos: torch.T
         q = rows.ops.rms_norm(q.reshape(T * H, D), layer.q_norm).view(T, H, D)
         k = rows.ops.rms_norm(k.reshape(T * KVH, D), layer.k_norm).view(T, KVH, D)
     q, k = rows.ops.rotary(q, k, cos, sin)
-    return rows.attend(q, k, v, cache_k, cache_v, cfg, layer.window), k, v
+    return rows.attend(q, k, v, cache_k, cache_v, cfg, layer.window, layer.sinks), k, v
 
 
 @dataclass
@@ -239,8 +254,9 @@ class RowLayout:
     ops = TorchOps
     attend_qkv = split_attend
 
-    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0) -> torch.Tensor:
-        return _gather_attention(q, k, v, cache_k, cache_v, self, cfg, window)
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return _gather_attention(q, k, v, cache_k, cache_v, self, cfg, window, sinks)
 
 
 @dataclass
@@ -260,12 +276,13 @@ class KernelLayout:
         return torch.ops.llm_kernels.attend_qkv(
             qkv, cos, sin, cache_k, cache_v, self.slot_mapping, self.block_tables, self.query_start, self.context_lens,
             cfg.num_heads, cfg.scale, self.prompt_lens, layer.q_norm.weight if cfg.qk_norm else None,
-            layer.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, layer.window), None, None
+            layer.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, layer.window, layer.sinks), None, None
 
-    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0) -> torch.Tensor:
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.ops.llm_kernels.write_and_attend(q, k, v, cache_k, cache_v, self.slot_mapping, self.block_tables,
                                                      self.query_start, self.context_lens, cfg.scale,
-                                                     self.prompt_lens, window)
+                                                     self.prompt_lens, window, sinks)
         return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
@@ -283,10 +300,11 @@ class TritonLayout:
     ops = TritonOps
     attend_qkv = split_attend
 
-    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0) -> torch.Tensor:
+    def attend(self, q, k, v, cache_k, cache_v, cfg: ModelConfig, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         from backend.engine.kernels.triton_attention import paged_attention, write_kv
 
-        assert window == 0, "the GPU kernels have no sliding window (the CUDA runner refuses such models at load)"
+        assert window == 0 and sinks is None, "the GPU kernels have no sliding window or sinks (refused at load)"
 
         write_kv(k, v, cache_k, cache_v, self.slot_mapping)
         out = paged_attention(q, cache_k, cache_v, self.block_tables, self.query_start, self.context_lens,
@@ -294,7 +312,8 @@ class TritonLayout:
         return out.view(q.shape[0], cfg.num_heads * cfg.head_dim)
 
 
-def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig, window: int = 0):
+def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConfig, window: int = 0,
+                      sinks: torch.Tensor | None = None):
     KVH, D = cfg.num_kv_heads, cfg.head_dim
     R, B = rows.block_tables.shape
     Q = rows.token_index.shape[1]
@@ -312,12 +331,19 @@ def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConf
     visible = keys_at <= rows.query_positions.unsqueeze(-1)  # [R, Q, C]
     if window:  # a sliding layer: the last `window` keys, the query's own included
         visible = visible & (keys_at > rows.query_positions.unsqueeze(-1) - window)
+    keys, values, mask = keys.view(R, C, KVH, D), values.view(R, C, KVH, D), visible.unsqueeze(1)
+    if sinks is not None:  # one more key, zero in K and V, that every query sees with its head's sink as its score
+        zero = keys.new_zeros(R, 1, KVH, D)
+        keys, values = torch.cat((keys, zero), dim=1), torch.cat((values, zero), dim=1)
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        mask = torch.cat((mask.unsqueeze(1).expand(R, cfg.num_heads, Q, C),
+                          sinks.to(q.dtype).view(1, -1, 1, 1).expand(R, -1, Q, 1)), dim=-1)  # [R, H, Q, C + 1]
     # Fused attention on strided views: no score tensor, no layout copies (4.5x the unfused version here).
     out = nn.functional.scaled_dot_product_attention(
         q[rows.token_index].transpose(1, 2),  # [R, H, Q, D]
-        keys.view(R, C, KVH, D).transpose(1, 2),  # [R, KVH, C, D]
-        values.view(R, C, KVH, D).transpose(1, 2),
-        attn_mask=visible.unsqueeze(1),
+        keys.transpose(1, 2),  # [R, KVH, C, D]
+        values.transpose(1, 2),
+        attn_mask=mask,
         scale=cfg.scale,
         enable_gqa=True,
     )  # [R, H, Q, D]
@@ -445,6 +471,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         for f in _weight_files(model_dir):
             state.update(load_file(str(f)))
     state = {k.removeprefix("model."): v for k, v in state.items()}
+    if cfg.family.moe == "gpt_oss":
+        state = split_stacked_experts(state, cfg)
 
     def weight(name: str, sources: list[str]) -> torch.Tensor:
         if stored is not None and name in stored:
@@ -461,10 +489,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
             fused[p + "qkv_proj.bias"] = torch.cat([state[p + "self_attn." + n + "_proj.bias"] for n in "qkv"])
         if cfg.o_proj_bias:
             fused[p + "o_proj.bias"] = state[p + "self_attn.o_proj.bias"]
+        if cfg.attention_sinks:
+            fused[p + "sinks"] = state[p + "self_attn.sinks"]
         fused.update({ours + ".weight": state[hf + ".weight"] for ours, hf in layer_norms(cfg, i).items()})
         if i in cfg.moe_layers:
-            prefix, router, _ = CHECKPOINT_NAMES[cfg.family.moe]
+            prefix, router, (gate, up, down) = CHECKPOINT_NAMES[cfg.family.moe]
             fused[p + "moe.router"] = state[p + prefix + router + ".weight"]
+            if cfg.router_bias:
+                fused[p + "moe.router_bias"] = state[p + prefix + router + ".bias"]
+            for e in range(cfg.num_experts) if cfg.expert_bias else ():
+                expert, ours = f"{p}{prefix}experts.{e}.", f"{p}moe.experts.{e}."
+                fused[ours + "gate_up_proj.bias"] = torch.cat([state[expert + gate + ".bias"], state[expert + up + ".bias"]])
+                fused[ours + "down_proj.bias"] = state[expert + down + ".bias"]
     if cfg.family.gemma:  # Gemma's RMSNorms scale by 1 + w, as HF computes it (in float32)
         fused.update({k: 1.0 + v.float() for k, v in fused.items() if k.endswith("norm.weight")})
     with torch.device("meta"):

@@ -9,6 +9,11 @@ router stays a float weight (llama.cpp keeps ffn_gate_inp in F32 too): its top-k
 which experts run. Each token's outputs are added in ascending expert order into zeros, as HF's loop over the experts
 hit does, so float32 sums round as HF's. Where the experts' tactics allow, the runner stacks a layer's experts into one
 kernel call per Linear (runners/expert_gemm.py: `stacked`), the same rows and the same sums.
+
+gpt-oss's MoE: a router with a bias whose top k logits (not probabilities) are softmaxed, experts with biases, and its
+clamped SwiGLU (models/llama.py TorchOps.clamped_swiglu_mul); its checkpoint stacks each layer's experts in one tensor
+per projection, [experts, in, out], gate and up interleaved column by column, which `split_stacked_experts` turns into
+the per-expert Linears the other families' checkpoints hold.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from backend.engine.models.layers import Linear
 
 # The checkpoint's names, per family: the MLP's prefix in a layer, its router, an expert's (gate, up, down) Linears
 CHECKPOINT_NAMES = {"qwen3_moe": ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj")),
-                    "mixtral": ("block_sparse_moe.", "gate", ("w1", "w3", "w2"))}
+                    "mixtral": ("block_sparse_moe.", "gate", ("w1", "w3", "w2")),
+                    "gpt_oss": ("mlp.", "router", ("gate_proj", "up_proj", "down_proj"))}  # after split_stacked_experts
 
 
 ExpertsCall = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
@@ -34,8 +40,8 @@ ExpertsCall = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 class Expert(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.moe_intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.moe_intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.moe_intermediate_size, bias=cfg.expert_bias)
+        self.down_proj = Linear(cfg.moe_intermediate_size, cfg.hidden_size, bias=cfg.expert_bias)
 
 
 class MoE(nn.Module):
@@ -43,14 +49,19 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.router_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
         self.experts: nn.ModuleList | None = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
         # (gate_up, down) of every expert in one call each: (rows sorted by expert, experts, offsets) -> rows
         self.stacked: tuple[ExpertsCall, ExpertsCall] | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in h's dtype, experts [T, k]) of each token: the top k of the router's softmax (float32)."""
-        probs = torch.softmax(F.linear(h, self.router).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        """(weights [T, k] in h's dtype, experts [T, k]) of each token: the top k of the router's softmax (float32), or
+        with a router bias (gpt-oss) the softmax of its top k logits."""
+        logits = F.linear(h, self.router, self.router_bias).float()
+        if self.router_bias is not None:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(h.dtype), experts
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), experts
@@ -73,3 +84,20 @@ class MoE(nn.Module):
                             for e, a, b in zip(used, offsets, offsets[1:])]) if used else rows
         # one weighted add, in the pairs' order: each token's experts in ascending order, as HF's loop adds them
         return torch.zeros_like(h).index_add_(0, tokens, ys * weights.flatten()[order].unsqueeze(-1))
+
+
+def split_stacked_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked experts (`layers.i.mlp.experts.gate_up_proj` [E, hidden, 2 I] with gate and up interleaved,
+    `down_proj` [E, I, hidden], their `_bias`es) as the per-expert gate_proj / up_proj / down_proj weights and biases
+    of CHECKPOINT_NAMES; the rest of `state` as it is."""
+    out = dict(state)
+    for i in cfg.moe_layers:
+        p = f"layers.{i}.mlp.experts."
+        gate_up, gate_up_bias = out.pop(p + "gate_up_proj"), out.pop(p + "gate_up_proj_bias")
+        down, down_bias = out.pop(p + "down_proj"), out.pop(p + "down_proj_bias")
+        for e in range(cfg.num_experts):
+            for name, w, b in (("gate_proj", gate_up[e, :, 0::2], gate_up_bias[e, 0::2]),
+                               ("up_proj", gate_up[e, :, 1::2], gate_up_bias[e, 1::2]),
+                               ("down_proj", down[e], down_bias[e])):
+                out[f"{p}{e}.{name}.weight"], out[f"{p}{e}.{name}.bias"] = w.t().contiguous(), b.contiguous()
+    return out

@@ -23,19 +23,23 @@ from backend.engine.runners.gemm import FloatBias, PackedKernel
 
 @dataclass(frozen=True)
 class ExpertsGemm:
-    """[rows sorted by expert, K] -> [rows, N]: rows offsets[g] .. offsets[g + 1] - 1 times expert experts[g]."""
+    """[rows sorted by expert, K] -> [rows, N]: rows offsets[g] .. offsets[g + 1] - 1 times expert experts[g], plus
+    that expert's bias (gpt-oss) as FloatBias adds it, in float32."""
     kernel: PackedKernel  # every expert's panels stacked
+    bias: torch.Tensor | None  # [experts, N] float32
 
     def __call__(self, x: torch.Tensor, experts: list[int], offsets: list[int]) -> torch.Tensor:
         k = self.kernel
         y = k.experts_op(x.float().contiguous(), *k.panels, *k.shared, k.out_features, experts, offsets)
+        if self.bias is not None and experts:
+            counts = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])])
+            y += self.bias[experts].repeat_interleave(counts, dim=0)
         return y.to(x.dtype)
 
 
 def _stacked(linears: list[Linear]) -> ExpertsGemm | None:
-    """The experts' Linears as one ExpertsGemm, or None where a tactic has no experts kernel (or adds a bias)."""
-    kernels = [getattr(linear.gemm, "gemm", None) if isinstance(linear.gemm, FloatBias) and linear.gemm.bias is None
-               else None for linear in linears]
+    """The experts' Linears as one ExpertsGemm, or None where a tactic has no experts kernel."""
+    kernels = [linear.gemm.gemm if isinstance(linear.gemm, FloatBias) else None for linear in linears]
     if not all(isinstance(k, PackedKernel) for k in kernels):
         return None
     first = kernels[0]
@@ -43,7 +47,11 @@ def _stacked(linears: list[Linear]) -> ExpertsGemm | None:
            any(not torch.equal(a, b) for a, b in zip(k.shared, first.shared)) for k in kernels):
         return None
     panels = tuple(torch.cat(parts) for parts in zip(*(k.panels for k in kernels)))
-    return ExpertsGemm(PackedKernel(first.op, first.experts_op, panels, first.shared, first.out_features))
+    biases = [linear.gemm.bias for linear in linears]
+    if any((b is None) != (biases[0] is None) for b in biases):
+        return None
+    return ExpertsGemm(PackedKernel(first.op, first.experts_op, panels, first.shared, first.out_features),
+                       None if biases[0] is None else torch.stack(biases))
 
 
 def stack_experts(model: nn.Module) -> int:
