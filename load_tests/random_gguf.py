@@ -8,6 +8,7 @@ as it pads any) and the quantized file; the float weights and the BF16 file are 
 weights: speed only, no quality; a router of random weights spreads tokens over the experts about evenly.
 
     python -m load_tests.random_gguf --shape qwen3-moe-2.8b-a0.5b [--ftype Q4_K_M]   # prints the folder
+    python -m load_tests.random_gguf --shape gpt-oss-1.6b-a0.4b --ftype MXFP4_MOE
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ CONVERTER = next(LLAMACPP_PYTHON.parents[1].glob("lib/python3*/site-packages/bin
                  LLAMACPP_PYTHON.parents[1] / "convert_hf_to_gguf.py")
 CONVERTER_LIBS = LLAMACPP_PYTHON.parents[1] / "converter"  # mistral_common & co. (llama_cpp_env.sh)
 # The converter of llama-cpp-python 0.3.16 reads a config through transformers' to_dict(), which transformers 5 writes
-# with new names (num_local_experts, rope_parameters); it reads the old ones (num_experts, rope_theta), as the
-# published config.json files have them: this runs it with those names added back.
+# with new names (num_local_experts, rope_parameters); it reads the old ones (num_experts, rope_theta, rope_scaling),
+# as the published config.json files have them: this runs it with those names added back.
 CONVERT = """
 import runpy, sys
 converter = runpy.run_path(sys.argv[1], run_name="convert_hf_to_gguf")
@@ -36,7 +37,10 @@ load = converter["ModelBase"].load_hparams
 
 def load_hparams(dir_model, is_mistral_format):
     config = load(dir_model, is_mistral_format)
-    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta"))
+    if rope.get("rope_type", "default") != "default":  # gpt-oss's YaRN
+        config.setdefault("rope_scaling", rope)
     if "num_local_experts" in config:
         config.setdefault("num_experts", config["num_local_experts"])
     return config
@@ -64,7 +68,15 @@ def _qwen3_1_7b():  # Qwen3-1.7B's config
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b}
+def _gpt_oss():  # gpt-oss-20b's design (its vocabulary, heads of 64, 8:1 GQA, windows of 128, YaRN), scaled: 1.6B
+    from transformers import GptOssConfig  # parameters, 0.39B read per token (lm_head included); --ftype MXFP4_MOE
+    return GptOssConfig(vocab_size=201088, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+                        num_key_value_heads=2, head_dim=64, intermediate_size=1024, num_local_experts=32,
+                        num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)
+
+
+SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b,
+                               "gpt-oss-1.6b-a0.4b": _gpt_oss}
 
 
 def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:

@@ -18,25 +18,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, dequantize
 from transformers import MixtralConfig, Qwen3MoeConfig
 
 from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.checkpoint_format import served_quantization
 from backend.engine.models.gguf_weights import gguf_file, load_gguf
-from backend.engine.models.weight_blocks import STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
+from backend.engine.models.weight_blocks import MXFP4_VALUES, STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
 from backend.engine.runners import torch_runner
 from backend.engine.runners.gemm import TACTICS
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
 from backend.serving.detokenize import decode_text
-from backend.serving.model_store import prepare_default_model, prepare_gguf_folder
+from backend.serving.model_store import gguf_config, prepare_default_model, prepare_gguf_folder
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
 from load_tests.bench_quantization import fixed_text
 from tests.conftest import start_server
 from tests.reference import hf_greedy
-from tests.test_model_families import COMMON, VOCAB, WINDOW, save_random
+from tests.test_model_families import COMMON, FAMILIES, VOCAB, WINDOW, save_random
 from tests.test_quantization import TOKENS, all_logits, assert_near, loaded_rss
 from tests.tiny_gguf import random_raw, write_gguf
 from tests.tiny_model import make_tiny_llama
@@ -52,7 +52,7 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
     rows, cols = 6, 2 * GGML_QUANT_SIZES[qtype][0]
     raw = random_raw(qtype, rows, cols, np.random.default_rng(len(type_name)), 2.0)
     blocks = from_gguf(type_name, raw, rows, cols)
-    assert isinstance(blocks, Q4Blocks if type_name.startswith(("Q4", "IQ4")) else Q8Blocks)
+    assert isinstance(blocks, Q4Blocks if type_name.startswith(("Q4", "IQ4", "MXFP4")) else Q8Blocks)
     if isinstance(blocks, Q4Blocks):
         assert blocks.q.max() <= 15
     expected = dequantize(raw, qtype).reshape(rows, cols)
@@ -60,7 +60,7 @@ def test_each_block_form_decodes_as_gguf_py_decodes_it(type_name):
 
 
 def test_only_the_stored_forms_are_read_as_blocks():
-    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, .*, IQ4_XS are read as blocks, not IQ2_XS"):
+    with pytest.raises(ValueError, match="weight_blocks: Q8_0, Q5_0, .*, IQ4_XS, MXFP4 are read as blocks, not IQ2_XS"):
         from_gguf("IQ2_XS", np.zeros((1, 74), np.uint8), 1, 256)
 
 
@@ -187,6 +187,35 @@ def test_a_mixture_of_experts_file_is_served_expert_by_expert(family, tmp_path, 
     assert alone.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True)) == want
 
 
+def test_a_gpt_oss_file_with_mxfp4_experts(tmp_path, monkeypatch):
+    """gpt-oss as llama.cpp's MXFP4_MOE files hold it: experts MXFP4 (a power-of-two scale per 32 and E2M1 values),
+    attention Q8_0, sinks and biases float32. Each expert's slice is its Linear exactly, kept as 4-bit indices into
+    MXFP4's table; as stored, a layer's experts (with their biases) run in one kernel call per Linear, bit-equal to one
+    call per expert, within the bounds above of float32 on the same values; dequantized (`none` on the file alone),
+    greedy-equal to HF generate on the folder of its values: sinks, biases and every expert in place."""
+    types = {**MOE_TYPES, "ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4", "ffn_down_exps": "MXFP4"}
+    folder = write_gguf(save_random(tmp_path / "hf", FAMILIES["gpt_oss"]()), tmp_path / "gguf", types)
+    reference_runner = TorchRunner(folder, "float32", 64, 16, gemm_backend="aten", quantization="none")
+    _, stored = load_gguf(folder, reference_runner.model.cfg)
+    for name, weight in stored.items():
+        assert torch.equal(as_float(weight), reference_runner.model.get_submodule(name).weight), name
+    expert = stored["layers.1.moe.experts.5.down_proj"]
+    assert isinstance(expert, Q4Blocks) and expert.values.tolist() == MXFP4_VALUES.tolist()
+    tokens = torch.randint(3, VOCAB, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner = TorchRunner(folder, "float32", 64, 16, quantization="gguf")
+    assert all(layer.moe.stacked is not None for layer in runner.model.layers)
+    logits = all_logits(runner, tokens)
+    assert_near(logits, all_logits(reference_runner, tokens), 0.05, 0.85)
+    monkeypatch.setattr(torch_runner, "stack_experts", lambda model: 0)
+    assert torch.equal(logits, all_logits(TorchRunner(folder, "float32", 64, 16, quantization="gguf"), tokens))
+    prompts = [tokens[:7], tokens[:70]]
+    want = hf_greedy(folder, prompts, [12, 12])
+    (folder / "model.safetensors").unlink()
+    alone = LLMEngine(EngineConfig.create(model=str(folder), quantization="none"))
+    assert alone.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True)) == want
+    assert alone.kv.num_free_blocks == alone.kv.num_blocks
+
+
 # an IQ4_XS / IQ4_NL file's Linears (llama.cpp falls back to IQ4_NL where a row is not whole 256-value blocks), and a
 # Q4_0 attn_v: 4-bit indices into a table beside plain 4-bit values
 IQ4 = {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "Q4_0", "attn_output": "IQ4_NL", "ffn_gate": "IQ4_XS",
@@ -262,9 +291,35 @@ def test_a_bare_gguf_file_is_served_as_its_prepared_folder_serves_it(tmp_path_fa
     assert text == decode_text(tokenizer, bare[0]) and text
 
 
+def test_a_gpt_oss_files_config_is_what_its_metadata_says(tmp_path):
+    """transformers 5 reads a gpt-oss GGUF's YaRN wrong (raw field parts: a factor of 27, the length of a key) and
+    skips its window and head_dim: read from the file's metadata (as llama.cpp's converter writes it), the config has
+    the file's values, and gpt-oss's own rope otherwise (beta 32 / 1, not truncated: HF's and OpenAI's; llama.cpp's
+    YaRN truncates, docs/benchmarks.md)."""
+    writer = GGUFWriter(str(tmp_path / "oss.gguf"), "gpt-oss")
+    for add, value in (("block_count", 2), ("context_length", 4096), ("embedding_length", 64),
+                       ("feed_forward_length", 32), ("head_count", 4), ("head_count_kv", 2), ("key_length", 16),
+                       ("value_length", 16), ("rope_freq_base", 150000.0), ("layer_norm_rms_eps", 1e-5),
+                       ("expert_count", 8), ("expert_used_count", 2), ("sliding_window", 32),
+                       ("rope_scaling_type", RopeScalingType.YARN), ("rope_scaling_factor", 4.0),
+                       ("rope_scaling_orig_ctx_len", 1024)):
+        getattr(writer, "add_" + add)(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = gguf_config(tmp_path / "oss.gguf")
+    assert config.rope_parameters == {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False}
+    assert (config.sliding_window, config.head_dim, config.num_local_experts, config.num_experts_per_tok,
+            config.num_hidden_layers) == (32, 16, 8, 2, 2)
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+
+
 @pytest.mark.parametrize("arch, norms, message", [
-    ("phi3", True, r"quantization: gguf serves the architectures llama, qwen2, qwen3, qwen3moe, gemma3; model.gguf is "
-                   r"phi3 \(llama\)"),
+    ("phi3", True, r"quantization: gguf serves the architectures llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss; "
+                   r"model.gguf is phi3 \(llama\)"),
     ("qwen2", True, r"quantization: gguf serves .*; model.gguf is qwen2 \(llama\)"),  # not the model's own
     ("llama", False, "quantization: gguf: tensor output_norm.weight is not in model.gguf")])
 def test_a_gguf_the_reader_cannot_serve_is_refused_by_name(tiny_model_dir, tmp_path, arch, norms, message):

@@ -242,7 +242,7 @@ def prepare_gguf_folder(gguf: Path, root: Path | None = None) -> Path:
     """A bare GGUF file, as llama.cpp users have one, as a model folder (`<root>/<file stem>`, root the default
     model's parent): the HF config and tokenizer that transformers reads from the file's metadata, and a link to the
     file, which `quantization: gguf` serves as stored, norms included. No float weights are written."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     gguf = gguf.resolve()
     stat = gguf.stat()
@@ -254,7 +254,7 @@ def prepare_gguf_folder(gguf: Path, root: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         kwargs = {"gguf_file": gguf.name, "local_files_only": True}
-        AutoConfig.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
+        gguf_config(gguf).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp, save_jinja_files=False)
         (tmp / gguf.name).symlink_to(gguf)
         (tmp / MARKER).write_text(marker_text)
@@ -262,6 +262,34 @@ def prepare_gguf_folder(gguf: Path, root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gguf_config(gguf: Path):
+    """transformers' reading of a GGUF's config (AutoConfig's `gguf_file`), with what transformers 5.x reads wrong from a
+    gpt-oss file read again by gguf-py: its YaRN (transformers puts raw field parts in `rope_scaling`: a factor of 27
+    from a key's length, and an array it cannot save), sliding window and head_dim (keys it does not map). The rest of
+    the rope is gpt-oss's own (beta 32 / 1, not truncated: its config class's defaults), which the file does not hold."""
+    from gguf import GGUFReader
+    from transformers import CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    config.pop("_model_name_or_path", None)
+    if config["model_type"] == "gpt_oss":
+        fields = GGUFReader(gguf).fields
+
+        def read(key: str, default=None):
+            return fields[f"gpt-oss.{key}"].contents() if f"gpt-oss.{key}" in fields else default
+
+        cls = CONFIG_MAPPING["gpt_oss"]
+        config.pop("rope_scaling", None)
+        config["rope_parameters"] = {**cls().rope_parameters, "rope_theta": config.pop("rope_theta"),
+                                     "factor": float(read("rope.scaling.factor", 1.0)),
+                                     "original_max_position_embeddings": int(read("rope.scaling.original_context_length",
+                                                                                  config["max_position_embeddings"]))}
+        config["sliding_window"] = int(read("attention.sliding_window", cls().sliding_window))
+        config["head_dim"] = int(read("attention.key_length", cls().head_dim))
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config)
 
 
 def prepare_gemma3_270m() -> Path:

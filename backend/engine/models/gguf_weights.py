@@ -3,12 +3,14 @@ to float32 (`none`) as transformers reads the file (gguf-py's dequantizers), whi
 
 Architectures (GGUF's `general.architecture`, llama.cpp's converter's names): llama (Llama, Mistral, SmolLM2,
 Mixtral), qwen2 (q/k/v biases), qwen3 (q/k norms), qwen3moe, gemma3 (q/k norms, four norms a layer, stored as 1 + w:
-the w HF reads is the stored value minus 1, as transformers' Gemma2TensorProcessor takes it). Another architecture is
+the w HF reads is the stored value minus 1, as transformers' Gemma2TensorProcessor takes it), gpt-oss (q/k/v/o
+biases, `attn_sinks`, the router's bias, the experts' biases as [experts, rows] tensors beside their weights, which
+are MXFP4 in its files; its config, YaRN included, is transformers' reading of the file). Another architecture is
 refused by name. A mixture of experts' layer holds each projection of all its experts in one 3-D tensor
 (`ffn_gate_exps`: [experts, rows, cols], as the converter stacks them); each expert's slice is served as stored like
 any Linear, and the router (`ffn_gate_inp`, F32 in llama.cpp's files) as floats.
 
-Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS tensors stay in their blocks; any other
+Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS and MXFP4 tensors stay in their blocks; any other
 type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
 dequantizers compute them, and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not
 whole 256-value blocks, with Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole as blocks, and so
@@ -63,6 +65,7 @@ ARCHITECTURES = {  # general.architecture -> its model_type, and its norms: GGUF
     "gemma3": (("gemma3_text",), {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                                   "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
                                   "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
+    "gpt-oss": (("gpt_oss",), {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}),
 }
 
 
@@ -118,18 +121,31 @@ class GgufFile:
     def norms_and_biases(self) -> dict[str, torch.Tensor]:
         """Every tensor that is neither a Linear nor the embedding, by HF name (Gemma's norms as w, not 1 + w)."""
         _, norms = ARCHITECTURES[self.arch]
+        cfg = self.cfg
         names = {"output_norm.weight": "model.norm.weight"}
-        for i in range(self.cfg.num_layers):
+        for i in range(cfg.num_layers):
             names.update({f"blk.{i}.{g}.weight": f"model.layers.{i}.{h}.weight" for g, h in norms.items()})
-            if i in self.cfg.moe_layers:
-                prefix, router, _ = CHECKPOINT_NAMES[self.cfg.family.moe]
+            if i in cfg.moe_layers:
+                prefix, router, _ = CHECKPOINT_NAMES[cfg.family.moe]
                 names[f"blk.{i}.ffn_gate_inp.weight"] = f"model.layers.{i}.{prefix}{router}.weight"
-            if self.cfg.attention_bias:
-                names.update({f"blk.{i}.{g}.bias": f"model.layers.{i}.{LAYER_TENSORS[g]}.bias"
-                              for g in ("attn_q", "attn_k", "attn_v")})
+                if cfg.router_bias:
+                    names[f"blk.{i}.ffn_gate_inp.bias"] = f"model.layers.{i}.{prefix}{router}.bias"
+            biased = ("attn_q", "attn_k", "attn_v") if cfg.attention_bias else ()
+            names.update({f"blk.{i}.{g}.bias": f"model.layers.{i}.{LAYER_TENSORS[g]}.bias"
+                          for g in biased + (("attn_output",) if cfg.o_proj_bias else ())})
+            if cfg.attention_sinks:
+                names[f"blk.{i}.attn_sinks.weight"] = f"model.layers.{i}.self_attn.sinks"
         one = 1.0 if self.arch == "gemma3" else 0.0
-        return {hf: self.unpermute(self.floats(g), g) - (one if g.endswith("norm.weight") else 0.0)
-                for g, hf in names.items()}
+        out = {hf: self.unpermute(self.floats(g), g) - (one if g.endswith("norm.weight") else 0.0)
+               for g, hf in names.items()}
+        if cfg.expert_bias:  # [experts, rows] each: every expert's row, under the expert's own name
+            prefix, _, projections = CHECKPOINT_NAMES[cfg.family.moe]
+            for i in cfg.moe_layers:
+                for g, h in zip(("ffn_gate", "ffn_up", "ffn_down"), projections):
+                    biases = self.floats(f"blk.{i}.{g}_exps.bias")
+                    out.update({f"model.layers.{i}.{prefix}experts.{e}.{h}.bias": biases[e]
+                                for e in range(cfg.num_experts)})
+        return out
 
     def linears(self) -> dict[str, str]:
         """HF name of every Linear and the embedding -> GGUF's."""

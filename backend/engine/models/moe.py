@@ -89,10 +89,12 @@ class MoE(nn.Module):
 def split_stacked_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """gpt-oss's stacked experts (`layers.i.mlp.experts.gate_up_proj` [E, hidden, 2 I] with gate and up interleaved,
     `down_proj` [E, I, hidden], their `_bias`es) as the per-expert gate_proj / up_proj / down_proj weights and biases
-    of CHECKPOINT_NAMES; the rest of `state` as it is."""
+    of CHECKPOINT_NAMES; the rest of `state` as it is (a GGUF's experts: per expert already)."""
     out = dict(state)
     for i in cfg.moe_layers:
         p = f"layers.{i}.mlp.experts."
+        if p + "gate_up_proj" not in out:
+            continue
         gate_up, gate_up_bias = out.pop(p + "gate_up_proj"), out.pop(p + "gate_up_proj_bias")
         down, down_bias = out.pop(p + "down_proj"), out.pop(p + "down_proj_bias")
         for e in range(cfg.num_experts):

@@ -14,7 +14,8 @@ is a float32 tensor of its dequantized values (`Weight`), served by the float ta
   m = -8 d, and Q4_K's 32-weight sub-blocks are d = d_super * scale6, m = -dmin_super * min6: both exact in float32,
   so each GGUF 4-bit format reaches one kernel with its numbers unchanged. With `values` (IQ4_NL, IQ4_XS) q is an
   index and there is no min: w ~ d * values[q], values llama.cpp's 16 int8 (IQ4_VALUES), d per 32 (IQ4_XS:
-  d * (sc6 - 32)); the kernel then reads 5 bits a weight instead of 6.
+  d * (sc6 - 32)); the kernel then reads 5 bits a weight instead of 6. MXFP4 (gpt-oss's experts) is the same with
+  its own table, the E2M1 values doubled (MXFP4_VALUES), and d = 2^(e - 128) from its E8M0 byte e: exact in float32.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class InputsPermuted:
 
 
 Weight = Blocks | InputsPermuted | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
-STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # ggml's kvalues_mxfp4
 
 
 def as_float(weight: Weight) -> torch.Tensor:
@@ -214,11 +216,16 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         sc6 = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
         scale = _half(b[..., :2])[..., None] * torch.from_numpy(sc6)
         return _iq4(_nibbles(b[..., 8:].reshape(rows, -1, 8, 16)).reshape(rows, cols), scale.reshape(rows, nb))
+    if type_name == "MXFP4":  # per block: E8M0 e, 16 bytes of indices as IQ4_NL's; d = ggml_e8m0_to_fp32_half(e)
+        b = data.reshape(rows, nb, 17)
+        e = b[..., 0].astype(np.uint32)
+        d = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+        return _iq4(_nibbles(b[..., 1:]).reshape(rows, cols), torch.from_numpy(d.copy()), MXFP4_VALUES)
     raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
 
 
-def _iq4(index: np.ndarray, d: torch.Tensor) -> Q4Blocks:
-    return Q4Blocks(torch.from_numpy(index), d, None, torch.from_numpy(IQ4_VALUES))
+def _iq4(index: np.ndarray, d: torch.Tensor, values: np.ndarray = IQ4_VALUES) -> Q4Blocks:
+    return Q4Blocks(torch.from_numpy(index), d, None, torch.from_numpy(values))
 
 
 def _matrix(weight: Blocks | InputsPermuted | torch.Tensor) -> torch.Tensor:
