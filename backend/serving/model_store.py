@@ -281,14 +281,14 @@ def gguf_config(gguf: Path):
         def read(key: str, default=None):
             return fields[f"gpt-oss.{key}"].contents() if f"gpt-oss.{key}" in fields else default
 
-        cls = CONFIG_MAPPING["gpt_oss"]
+        defaults = CONFIG_MAPPING["gpt_oss"]()
         config.pop("rope_scaling", None)
-        config["rope_parameters"] = {**cls().rope_parameters, "rope_theta": config.pop("rope_theta"),
+        config["rope_parameters"] = {**defaults.rope_parameters, "rope_theta": config.pop("rope_theta"),
                                      "factor": float(read("rope.scaling.factor", 1.0)),
                                      "original_max_position_embeddings": int(read("rope.scaling.original_context_length",
                                                                                   config["max_position_embeddings"]))}
-        config["sliding_window"] = int(read("attention.sliding_window", cls().sliding_window))
-        config["head_dim"] = int(read("attention.key_length", cls().head_dim))
+        config["sliding_window"] = int(read("attention.sliding_window", defaults.sliding_window))
+        config["head_dim"] = int(read("attention.key_length", defaults.head_dim))
     return CONFIG_MAPPING[config["model_type"]].from_dict(config)
 
 

@@ -5,13 +5,13 @@ Architectures (GGUF's `general.architecture`, llama.cpp's converter's names): ll
 Mixtral), qwen2 (q/k/v biases), qwen3 (q/k norms), qwen3moe, gemma3 (q/k norms, four norms a layer, stored as 1 + w:
 the w HF reads is the stored value minus 1, as transformers' Gemma2TensorProcessor takes it), gpt-oss (q/k/v/o
 biases, `attn_sinks`, the router's bias, the experts' biases as [experts, rows] tensors beside their weights, which
-are MXFP4 in its files; its config, YaRN included, is transformers' reading of the file). Another architecture is
-refused by name. A mixture of experts' layer holds each projection of all its experts in one 3-D tensor
+are MXFP4 in its files; a bare file's config is serving/model_store.gguf_config's reading, YaRN included). Another
+architecture is refused by name. A mixture of experts' layer holds each projection of all its experts in one 3-D tensor
 (`ffn_gate_exps`: [experts, rows, cols], as the converter stacks them); each expert's slice is served as stored like
 any Linear, and the router (`ffn_gate_inp`, F32 in llama.cpp's files) as floats.
 
-Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS and MXFP4 tensors stay in their blocks; any other
-type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
+Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS and MXFP4 tensors stay in their blocks; any
+other type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
 dequantizers compute them, and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not
 whole 256-value blocks, with Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole as blocks, and so
 are the other K-quant files (Q5_K_M, Q3_K_M, Q2_K); a fused q/k/v whose v is Q6_K beside Q4_K q/k is served in two
