@@ -16,6 +16,7 @@ positions with a mean relative logit error of 0.7 %, load_tests/bench_quantizati
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from backend.engine import EngineConfig, LLMEngine
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
 from backend.engine.kv_cache import KVCacheManager
-from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, from_gguf, q4_1, q8_0
+from backend.engine.models.weight_blocks import Q4Blocks, Q8Blocks, cat_rows, from_gguf, q4_1, q8_0, take_rows
 from backend.engine.runners import gemm
 from backend.engine.runners.torch_runner import TorchRunner
 from backend.engine.sampling import SamplingParams
@@ -154,6 +155,35 @@ def test_q4_1_w4a8_serves_iq4_blocks_through_their_table(type_name, m, n, k):
     y = gemm.TACTICS["q4_1_w4a8"].prepare(blocks, None)(x)
     reference = q8_0(x).dequantize().double() @ blocks.dequantize().double().T
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "IQ4_XS", "Q6_K", "Q5_K", "Q3_K", "Q2_K"])
+def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(type_name):
+    """The int8 kernels read a K-quant's scales (and mins) as stored, int8 steps under a float32 unit per 256
+    weights (kernels/block_scales.h), and form in registers the products the float32 scales hold: the same outputs
+    bit for bit, at 1 row and at 45 (AMX tiles where the CPU has them), alone and as an expert, from 3/8 or less of the
+    scales' bytes. Joined (fused q/k/v) and reordered rows (llama.cpp's rotary order) keep them."""
+    rng = np.random.default_rng(11)
+    n, k = 577, 512
+    blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
+    tactic = "q4_1_w4a8" if isinstance(blocks, Q4Blocks) else "q8_0_w8a8"
+    if tactic == "q8_0_w8a8" and not w8a8_runs_here():
+        return
+    assert blocks.stored is not None and (blocks.stored.min_step is None) == (blocks.m is None)
+    joined = cat_rows([blocks, take_rows(blocks, torch.randperm(n, generator=torch.Generator().manual_seed(0)))])
+    assert torch.equal(joined.stored.scales(), joined.d if tactic == "q4_1_w4a8" else joined.scale)
+    as_stored = gemm.TACTICS[tactic].prepare(blocks, None)
+    floats = gemm.TACTICS[tactic].prepare(dataclasses.replace(blocks, stored=None), None)
+    kernel, flat = as_stored.gemm, floats.gemm
+    def scale_bytes(k: gemm.PackedKernel) -> int:  # not the weights, nor q8_0_w8a8's comp (int32, read by VNNI)
+        return sum(t.nbytes for t in k.panels[1:] if t.dtype != torch.int32)
+
+    assert scale_bytes(kernel) <= 0.375 * scale_bytes(flat)  # 1 byte a scale and 4 per 8 or 16, not 4
+    x = torch.from_numpy(rng.standard_normal((45, k), dtype=np.float32))
+    for rows in (x[:1], x):
+        want = floats(rows)
+        assert torch.equal(as_stored(rows), want)
+        assert torch.equal(kernel.experts_op(rows, *kernel.panels, *kernel.shared, n, [0], [0, len(rows)]), want)
 
 
 def assert_near(logits: torch.Tensor, reference: torch.Tensor, max_relative: float, min_agreement: float) -> None:

@@ -10,7 +10,8 @@
 //
 // Packed W (gemm.py): panels of 16 output channels; per 32-weight block 4 groups of [16 channels][4 consecutive k]
 // bytes, each byte holding k = 4g + j in its low nibble and k = 16 + 4g + j in its high one: one 64-byte load
-// feeds 16 lanes twice. d and m: [panels][K / 32][16] float32.
+// feeds 16 lanes twice. d and m: [panels][K / 32][16] float32, or a K-quant's int8 steps under a float32 unit per
+// 256 weights (block_scales.h).
 //
 // With a table (GGUF IQ4_NL / IQ4_XS: w ~ d * values[q], values 16 int8, no min: m is not read) the nibble is an
 // index, looked up in registers by vpshufb (16 bytes: exactly one 128-bit lane). VNNI multiplies unsigned weights, so
@@ -30,11 +31,14 @@
 #include <vector>
 
 #include "amx.h"
+#include "block_scales.h"
 #include "expert_groups.h"
 #include "scratch.h"
 #include "work_queue.h"
 
 namespace {
+
+using llm_kernels::BlockScales;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanel = 16;
@@ -92,7 +96,7 @@ inline void nibbles(__m512i v, __m512i table, __m512i& lo, __m512i& hi) {
 
 template <int MR, bool kTable>
 inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
-                        const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
+                        BlockScales dp, BlockScales mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
   const int64_t nb = K / kBlock;
   const __m512i table = kTable ? biased_table(values) : _mm512_setzero_si512();
   __m512 acc[MR];
@@ -117,8 +121,8 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
         dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(four_bytes(xb + 16)));
       }
     }
-    const __m512 wd = _mm512_loadu_ps(dp + b * kPanel);
-    const __m512 wm = kTable ? _mm512_mul_ps(wd, _mm512_set1_ps(-128.f)) : _mm512_loadu_ps(mp + b * kPanel);
+    const __m512 wd = dp.sixteen(b);
+    const __m512 wm = kTable ? _mm512_mul_ps(wd, _mm512_set1_ps(-128.f)) : mp.sixteen(b);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xd[i * nb + b])), acc[i]);
@@ -133,7 +137,7 @@ constexpr int kRows = 4;  // with two 8-channel halves per row: 8 float accumula
 
 template <int MR, bool kTable>
 inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int64_t K, const uint8_t* wp,
-                        const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
+                        BlockScales dp, BlockScales mp, const int8_t* values, float* y, int64_t ldy, bool prefetch) {
   const int64_t nb = K / kBlock;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256i table = _mm256_setzero_si256();
@@ -175,14 +179,13 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
           }
         }
       }
-      const __m256 wd = _mm256_loadu_ps(dp + b * kPanel + 8 * h);
+      const __m256 wd = dp.eight(b, h);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const __m256 d = _mm256_cvtepi32_ps(kTable ? dot[i] : _mm256_madd_epi16(dot[i], ones));
         acc[i][h] = _mm256_fmadd_ps(d, _mm256_mul_ps(wd, _mm256_set1_ps(xd[i * nb + b])), acc[i][h]);
         if constexpr (!kTable)
-          acc[i][h] = _mm256_fmadd_ps(_mm256_loadu_ps(mp + b * kPanel + 8 * h), _mm256_set1_ps(xs[i * nb + b]),
-                                      acc[i][h]);
+          acc[i][h] = _mm256_fmadd_ps(mp.eight(b, h), _mm256_set1_ps(xs[i * nb + b]), acc[i][h]);
       }
     }
   }
@@ -197,7 +200,7 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
 template <int MR, bool kTable>
 inline void last_rows(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, const uint8_t* wp,
-                      const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, int64_t m) {
+                      BlockScales dp, BlockScales mp, const int8_t* values, float* y, int64_t ldy, int64_t m) {
   if constexpr (MR > 0) {
     const int64_t nb = K / kBlock;
     if (M - m == MR)
@@ -210,7 +213,7 @@ inline void last_rows(const int8_t* xq, const float* xd, const float* xs, int64_
 // Rows r.. of x against one panel (y: the panel's first column) by the microkernel; from row 0, it prefetches the next.
 template <bool kTable>
 inline void rows_from(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, const uint8_t* wp,
-                      const float* dp, const float* mp, const int8_t* values, float* y, int64_t ldy, int64_t r) {
+                      BlockScales dp, BlockScales mp, const int8_t* values, float* y, int64_t ldy, int64_t r) {
   const int64_t nb = K / kBlock;
   for (; r + kRows <= M; r += kRows)
     microkernel<kRows, kTable>(xq + r * K, xd + r * nb, xs + r * nb, K, wp, dp, mp, values, y + r * ldy, ldy, r == 0);
@@ -219,14 +222,14 @@ inline void rows_from(const int8_t* xq, const float* xd, const float* xs, int64_
 
 template <bool kTable>  // threads split the (group, panel) items (work_queue.h); y has whole panels, ldy columns
 void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t panels,
-                    const llm_kernels::ExpertGroups& groups, const uint8_t* w, const float* d, const float* m,
+                    const llm_kernels::ExpertGroups& groups, const uint8_t* w, BlockScales d, BlockScales m,
                     const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock;
   llm_kernels::parallel_take(groups.items(panels), [&](llm_kernels::WorkQueue& queue, int64_t t) {
     for (int64_t i; (i = queue.take(t)) >= 0;) {
       const auto [r, rows, p, column_panel] = groups.item(i, panels);
-      rows_from<kTable>(xq + r * K, xd + r * nb, xs + r * nb, rows, K, w + p * nb * kPanelBytes, d + p * nb * kPanel,
-                        kTable ? nullptr : m + p * nb * kPanel, values, y + r * ldy + column_panel * kPanel, ldy, 0);
+      rows_from<kTable>(xq + r * K, xd + r * nb, xs + r * nb, rows, K, w + p * nb * kPanelBytes, d.nth(p, nb),
+                        m.nth(p, nb), values, y + r * ldy + column_panel * kPanel, ldy, 0);
     }
   });
 }
@@ -239,7 +242,7 @@ void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t 
 // result, bit for bit. The last M % 16 rows go through the microkernel while the panel is in cache.
 template <bool kTable>
 void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
-                const uint8_t* w, const float* d, const float* m, const int8_t* values, float* y, int64_t ldy) {
+                const uint8_t* w, BlockScales d, BlockScales m, const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock, tiles = M / 16;
   llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::load_int8_block_tiles();
@@ -249,7 +252,7 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
     for (int64_t p = queue.take(thread), next; p >= 0; p = next) {
       next = queue.take(thread);
       const uint8_t* wp = w + p * nb * kPanelBytes;
-      const float *dp = d + p * nb * kPanel, *mp = kTable ? nullptr : m + p * nb * kPanel;
+      const BlockScales dp = d.nth(p, nb), mp = m.nth(p, nb);
       for (int64_t b = 0; b < nb; ++b) {
         for (int g = 0; g < 4; ++g) {
           __m512i lo, hi;
@@ -272,8 +275,8 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
           _tile_zero(4);
           _tile_dpbsud(4, 0, 2);
           _tile_stored(4, &c[0][0], 4 * kPanel);
-          const __m512 wd = _mm512_loadu_ps(dp + b * kPanel);
-          const __m512 wm = kTable ? _mm512_mul_ps(wd, _mm512_set1_ps(-128.f)) : _mm512_loadu_ps(mp + b * kPanel);
+          const __m512 wd = dp.sixteen(b);
+          const __m512 wm = kTable ? _mm512_mul_ps(wd, _mm512_set1_ps(-128.f)) : mp.sixteen(b);
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[i][0])),
@@ -294,7 +297,8 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
 
 // y = x @ W^T, or with groups each group of x's rows times its own expert's W (expert_groups.h).
 at::Tensor q4_1_w4a8(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d,
-                     const at::Tensor& m, const at::Tensor& values, int64_t out_features,
+                     const at::Tensor& m, const at::Tensor& d_steps, const at::Tensor& m_steps,
+                     const at::Tensor& values, int64_t out_features,
                      const std::optional<llm_kernels::ExpertGroups>& experts) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
@@ -308,9 +312,9 @@ at::Tensor q4_1_w4a8(const char* op, const at::Tensor& x, const at::Tensor& pack
   const llm_kernels::ExpertGroups groups = experts ? *experts : llm_kernels::ExpertGroups::one(M);
   TORCH_CHECK(experts || stacked == panels, op, ": ", stacked, " panels for ", N, " out_features");
   const bool table = values.numel() > 0;
-  TORCH_CHECK(d.is_contiguous() && d.sizes() == at::IntArrayRef({stacked, nb, kPanel}) && d.scalar_type() == at::kFloat &&
-              (table ? m.numel() == 0 : m.is_contiguous() && m.sizes() == d.sizes() && m.scalar_type() == at::kFloat),
-              op, ": d [panels, K / 32, 16] float32 expected, and m as d (without values) or empty");
+  const BlockScales wd = llm_kernels::block_scales(op, "d", d, d_steps, stacked, nb, 8);
+  const BlockScales wm = llm_kernels::block_scales(op, "m", m, m_steps, stacked, nb, 8);
+  TORCH_CHECK(wd.f && (wm.f == nullptr) == table, op, ": d, and m unless values are given, expected");
   TORCH_CHECK(!table || (values.sizes() == at::IntArrayRef({16}) && values.scalar_type() == at::kChar &&
                          values.is_contiguous()),
               op, ": values (the weight of each 4-bit index) [16] int8, or empty, expected");
@@ -326,20 +330,19 @@ at::Tensor q4_1_w4a8(const char* op, const at::Tensor& x, const at::Tensor& pack
   const int64_t ldy = panels * kPanel;  // whole panels: the padded channels are cut off below
   auto y = at::empty({M, ldy}, x.options());
   const uint8_t* pw = packed.data_ptr<uint8_t>();
-  const float* pd = d.data_ptr<float>();
   float* py = y.data_ptr<float>();
 #if defined(LLM_AMX) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // at 16 rows widening a panel for one tile cost more than it gave; experts' groups stay on VNNI (the same bits)
   if (!experts && M >= 32 && llm_kernels::amx_permitted()) {
-    if (table) amx_panels<true>(pxq, pxd, pxs, M, K, panels, pw, pd, nullptr, values.data_ptr<int8_t>(), py, ldy);
-    else amx_panels<false>(pxq, pxd, pxs, M, K, panels, pw, pd, m.data_ptr<float>(), nullptr, py, ldy);
+    if (table) amx_panels<true>(pxq, pxd, pxs, M, K, panels, pw, wd, wm, values.data_ptr<int8_t>(), py, ldy);
+    else amx_panels<false>(pxq, pxd, pxs, M, K, panels, pw, wd, wm, nullptr, py, ldy);
     return ldy == N ? y : y.narrow(1, 0, N).contiguous();
   }
 #endif
   if (table)
-    panels_times_x<true>(pxq, pxd, pxs, K, panels, groups, pw, pd, nullptr, values.data_ptr<int8_t>(), py, ldy);
+    panels_times_x<true>(pxq, pxd, pxs, K, panels, groups, pw, wd, wm, values.data_ptr<int8_t>(), py, ldy);
   else
-    panels_times_x<false>(pxq, pxd, pxs, K, panels, groups, pw, pd, m.data_ptr<float>(), nullptr, py, ldy);
+    panels_times_x<false>(pxq, pxd, pxs, K, panels, groups, pw, wd, wm, nullptr, py, ldy);
   return ldy == N ? y : y.narrow(1, 0, N).contiguous();
 #else
   TORCH_CHECK(false, op, ": needs AVX2 and FMA (or AVX512-VNNI), which this build's CPU lacks");
@@ -347,15 +350,16 @@ at::Tensor q4_1_w4a8(const char* op, const at::Tensor& x, const at::Tensor& pack
 }
 
 at::Tensor q4_1_w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
-                            const at::Tensor& values, int64_t out_features) {
-  return q4_1_w4a8("q4_1_w4a8_linear", x, packed, d, m, values, out_features, std::nullopt);
+                            const at::Tensor& d_steps, const at::Tensor& m_steps, const at::Tensor& values,
+                            int64_t out_features) {
+  return q4_1_w4a8("q4_1_w4a8_linear", x, packed, d, m, d_steps, m_steps, values, out_features, std::nullopt);
 }
 
 at::Tensor q4_1_w4a8_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, const at::Tensor& m,
-                             const at::Tensor& values, int64_t out_features, at::IntArrayRef experts,
-                             at::IntArrayRef offsets) {
+                             const at::Tensor& d_steps, const at::Tensor& m_steps, const at::Tensor& values,
+                             int64_t out_features, at::IntArrayRef experts, at::IntArrayRef offsets) {
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  return q4_1_w4a8("q4_1_w4a8_experts", x, packed, d, m, values, out_features,
+  return q4_1_w4a8("q4_1_w4a8_experts", x, packed, d, m, d_steps, m_steps, values, out_features,
                    llm_kernels::ExpertGroups::of("q4_1_w4a8_experts", experts, offsets, x.size(0), packed.size(0),
                                                  panels));
 }
@@ -363,9 +367,10 @@ at::Tensor q4_1_w4a8_experts(const at::Tensor& x, const at::Tensor& packed, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("q4_1_w4a8_linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor values, int out_features) -> Tensor");
-  m.def("q4_1_w4a8_experts(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor values, int out_features, "
-        "int[] experts, int[] offsets) -> Tensor");
+  m.def("q4_1_w4a8_linear(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor d_steps, Tensor m_steps, Tensor values, "
+        "int out_features) -> Tensor");
+  m.def("q4_1_w4a8_experts(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor d_steps, Tensor m_steps, "
+        "Tensor values, int out_features, int[] experts, int[] offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {

@@ -5,6 +5,7 @@
 // scale per 16 instead (a GGUF Q6_K's sub-blocks, models/weight_blocks.py): a block then sums two int32 dot products
 // in float, one per weight scale. Or a min per scale as well (w ~ q * scale + min: GGUF Q5_1, Q5_K, Q2_K): each
 // adds min * sum(x), the sum of x's rounded values (llama.cpp's Q8_1 activations).
+// A K-quant's scales and mins may come as stored, int8 steps under a float32 unit per 256 weights (block_scales.h).
 //
 // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
 // 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
@@ -24,6 +25,7 @@
 #include <optional>
 
 #include "amx.h"
+#include "block_scales.h"
 #include "expert_groups.h"
 #include "scratch.h"
 #include "work_queue.h"
@@ -78,14 +80,14 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale, float* scal
 // Pointers to one panel: its weights, scales (and mins) and compensations, as `q8_0_w8a8_linear` takes them.
 struct Panel {
   const int8_t* w;
-  const float* scales;
-  const float* mins;  // w ~ q * scale + min (GGUF Q5_1, Q5_K, Q2_K), as the scales: min * sum(x) joins the sum
+  llm_kernels::BlockScales scales;  // block_scales.h
+  llm_kernels::BlockScales mins;  // w ~ q * scale + min (GGUF Q5_1, Q5_K, Q2_K), as the scales: min * sum(x) joins
   const int32_t* comp;
 
   // Panel p of these (all panels'), for K input features and `sub` weight scales per 32 values along K.
   Panel nth(int64_t p, int64_t K, int64_t sub) const {
-    const int64_t per_panel = K / kBlock * sub * kPanel;
-    return {w + p * K * kPanel, scales + p * per_panel, mins ? mins + p * per_panel : nullptr, comp + p * per_panel};
+    const int64_t n = K / kBlock * sub;
+    return {w + p * K * kPanel, scales.nth(p, n), mins.nth(p, n), comp + p * n * kPanel};
   }
 };
 
@@ -119,13 +121,13 @@ inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, i
           dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_set1_epi32(four), w);
         }
       }
-      const __m512 ws = _mm512_loadu_ps(p.scales + (b * SUB + s) * kPanel);
+      const __m512 ws = p.scales.sixteen(b * SUB + s);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i)
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * nb + b])),
                                  acc[i]);
       if constexpr (MIN) {
-        const __m512 wm = _mm512_loadu_ps(p.mins + (b * SUB + s) * kPanel);
+        const __m512 wm = p.mins.sixteen(b * SUB + s);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const float* sums = xsum + i * 2 * nb + 2 * b;  // x's rounded sums per 16
@@ -173,13 +175,13 @@ inline void microkernel(const uint8_t* xq, const float* xs, const float* xsum, i
             dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(pairs, ones));
           }
         }
-        const __m256 ws = _mm256_loadu_ps(p.scales + (b * SUB + s) * kPanel + 8 * h);
+        const __m256 ws = p.scales.eight(b * SUB + s, h);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i)
           acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * nb + b])),
                                       acc[i][h]);
         if constexpr (MIN) {
-          const __m256 wm = _mm256_loadu_ps(p.mins + (b * SUB + s) * kPanel + 8 * h);
+          const __m256 wm = p.mins.eight(b * SUB + s, h);
 #pragma GCC unroll 16
           for (int i = 0; i < MR; ++i) {
             const float* sums = xsum + i * 2 * nb + 2 * b;
@@ -268,7 +270,7 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
           _tile_loadd(4, one.comp + b * kPanel, 0);  // every row starts from the block's comp
           _tile_dpbusd(4, 0, 2);
           _tile_stored(4, &c[0][0], 4 * kPanel);
-          const __m512 ws = _mm512_loadu_ps(one.scales + b * kPanel);
+          const __m512 ws = one.scales.sixteen(b);
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
             const __m512i dot = _mm512_load_si512(&c[i][0]);
@@ -276,7 +278,7 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
                                      acc[i]);
           }
           if constexpr (MIN) {
-            const __m512 wm = _mm512_loadu_ps(one.mins + b * kPanel);
+            const __m512 wm = one.mins.sixteen(b);
 #pragma GCC unroll 16
             for (int i = 0; i < 16; ++i) {
               const float* sums = pxsum + (m + i) * 2 * nb + 2 * b;
@@ -297,7 +299,8 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
 
 // y = x @ W^T, or with groups each group of x's rows times its own expert's W (expert_groups.h).
 at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const at::Tensor& mins, const at::Tensor& comp, int64_t out_features,
+                     const at::Tensor& mins, const at::Tensor& comp, const at::Tensor& scale_steps,
+                     const at::Tensor& min_steps, int64_t out_features,
                      const std::optional<llm_kernels::ExpertGroups>& experts) {
 #if defined(LLM_W8A8)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
@@ -310,14 +313,16 @@ at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& pack
               op, ": weight packed [panels, K / 4, 16, 4] for in_features ", K, " expected");
   const llm_kernels::ExpertGroups groups = experts ? *experts : llm_kernels::ExpertGroups::one(M);
   TORCH_CHECK(experts || stacked == num_panels, op, ": ", stacked, " panels for ", N, " out_features");
-  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 3 && scales.size(0) == stacked &&
-              (scales.size(1) == nb || scales.size(1) == 2 * nb) && scales.size(2) == kPanel &&
-              comp.is_contiguous() && comp.sizes() == scales.sizes() && comp.scalar_type() == at::kInt,
-              op, ": scales and comp [panels, K / 32 or K / 16, 16] expected");
-  const bool with_mins = mins.numel() > 0;  // none: an empty tensor
-  TORCH_CHECK(!with_mins || (mins.is_contiguous() && mins.sizes() == scales.sizes() &&
-                             mins.scalar_type() == at::kFloat),
-              op, ": mins as the scales (float32) or empty expected");
+  // a scale per 32 weights along K, or per 16: comp has one per scale
+  TORCH_CHECK(comp.is_contiguous() && comp.dim() == 3 && comp.size(0) == stacked &&
+              (comp.size(1) == nb || comp.size(1) == 2 * nb) && comp.size(2) == kPanel && comp.scalar_type() == at::kInt,
+              op, ": comp [panels, K / 32 or K / 16, 16] int32 expected");
+  const int64_t sub = comp.size(1) / nb;
+  const llm_kernels::BlockScales ws = llm_kernels::block_scales(op, "scales", scales, scale_steps, stacked, nb * sub,
+                                                                8 * sub);
+  const llm_kernels::BlockScales wm = llm_kernels::block_scales(op, "mins", mins, min_steps, stacked, nb * sub, 8 * sub);
+  TORCH_CHECK(ws.f, op, ": scales expected");
+  const bool with_mins = wm.f != nullptr;  // none: empty tensors
   const size_t q_bytes = llm_kernels::aligned64(M * K), s_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
   char* scratch = llm_kernels::thread_scratch(q_bytes + s_bytes + 2 * M * nb * sizeof(float));
   const float* px = x.data_ptr<float>();
@@ -328,10 +333,9 @@ at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& pack
     for (int64_t i = begin; i < end; ++i) quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxsum + 2 * i);
   });
   auto y = at::empty({M, N}, x.options());
-  const Panel all{packed.data_ptr<int8_t>(), scales.data_ptr<float>(), with_mins ? mins.data_ptr<float>() : nullptr,
-                  comp.data_ptr<int32_t>()};
+  const Panel all{packed.data_ptr<int8_t>(), ws, wm, comp.data_ptr<int32_t>()};
   float* py = y.data_ptr<float>();
-  const bool per_32 = scales.size(1) == nb;
+  const bool per_32 = sub == 1;
 #if defined(LLM_AMX) && defined(__AMX_INT8__)
   if (!experts && per_32 && M >= 16 && llm_kernels::amx_permitted()) {  // experts' groups stay on VNNI: the same bits
     if (with_mins) amx_panels<true>(pxq, pxs, pxsum, M, K, all, py, N, num_panels);
@@ -350,15 +354,18 @@ at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& pack
 }
 
 at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins, const at::Tensor& comp, int64_t out_features) {
-  return q8_0_w8a8("q8_0_w8a8_linear", x, packed, scales, mins, comp, out_features, std::nullopt);
+                            const at::Tensor& mins, const at::Tensor& comp, const at::Tensor& scale_steps,
+                            const at::Tensor& min_steps, int64_t out_features) {
+  return q8_0_w8a8("q8_0_w8a8_linear", x, packed, scales, mins, comp, scale_steps, min_steps, out_features,
+                   std::nullopt);
 }
 
 at::Tensor q8_0_w8a8_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                             const at::Tensor& mins, const at::Tensor& comp, int64_t out_features,
-                             at::IntArrayRef experts, at::IntArrayRef offsets) {
+                             const at::Tensor& mins, const at::Tensor& comp, const at::Tensor& scale_steps,
+                             const at::Tensor& min_steps, int64_t out_features, at::IntArrayRef experts,
+                             at::IntArrayRef offsets) {
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  return q8_0_w8a8("q8_0_w8a8_experts", x, packed, scales, mins, comp, out_features,
+  return q8_0_w8a8("q8_0_w8a8_experts", x, packed, scales, mins, comp, scale_steps, min_steps, out_features,
                    llm_kernels::ExpertGroups::of("q8_0_w8a8_experts", experts, offsets, x.size(0), packed.size(0),
                                                  panels));
 }
@@ -366,10 +373,10 @@ at::Tensor q8_0_w8a8_experts(const at::Tensor& x, const at::Tensor& packed, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, int out_features) -> "
-        "Tensor");
-  m.def("q8_0_w8a8_experts(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, int out_features, "
-        "int[] experts, int[] offsets) -> Tensor");
+  m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, Tensor scale_steps, "
+        "Tensor min_steps, int out_features) -> Tensor");
+  m.def("q8_0_w8a8_experts(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, Tensor scale_steps, "
+        "Tensor min_steps, int out_features, int[] experts, int[] offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {

@@ -16,6 +16,8 @@ is a float32 tensor of its dequantized values (`Weight`), served by the float ta
   index and there is no min: w ~ d * values[q], values llama.cpp's 16 int8 (IQ4_VALUES), d per 32 (IQ4_XS:
   d * (sc6 - 32)); the kernel then reads 5 bits a weight instead of 6. MXFP4 (gpt-oss's experts) is the same with
   its own table, the E2M1 values doubled (MXFP4_VALUES), and d = 2^(e - 128) from its E8M0 byte e: exact in float32.
+A K-quant's scales (and mins) also keep their stored form (`SuperScales`: small integers under a float16 d per 256
+weights), which the int8 kernels read instead of the float32 products: a Q4_K weight in 4.75 bits, not 6.
 """
 
 from __future__ import annotations
@@ -31,10 +33,43 @@ BLOCK = 32
 
 
 @dataclass(frozen=True)
+class SuperScales:
+    """A K-quant's scales as stored: scale = unit * step, an int8 step per scale and a float32 unit (its float16 d)
+    per 256 weights along a row, each product exact in float32; mins the same, or None."""
+    step: torch.Tensor  # int8 [N, scales per row]
+    unit: torch.Tensor  # float32 [N, K / 256]
+    min_step: torch.Tensor | None = None
+    min_unit: torch.Tensor | None = None
+
+    @staticmethod
+    def _products(step: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        return (unit[..., None] * step.float().reshape(*unit.shape, -1)).reshape(step.shape).contiguous()
+
+    def scales(self) -> torch.Tensor:
+        return self._products(self.step, self.unit)
+
+    def mins(self) -> torch.Tensor | None:
+        return None if self.min_step is None else self._products(self.min_step, self.min_unit)
+
+    def rows(self, index: torch.Tensor) -> SuperScales:
+        return SuperScales(*(None if t is None else t[index] for t in (self.step, self.unit, self.min_step,
+                                                                         self.min_unit)))
+
+    @staticmethod
+    def cat(parts: list[SuperScales | None]) -> SuperScales | None:
+        """Stacked rows; None unless every part has them in the same form (the kernels then read the products)."""
+        if any(p is None or (p.min_step is None) != (parts[0].min_step is None) for p in parts):
+            return None
+        return SuperScales(*(None if ts[0] is None else torch.cat(ts) for ts in
+                             zip(*((p.step, p.unit, p.min_step, p.min_unit) for p in parts))))
+
+
+@dataclass(frozen=True)
 class Q8Blocks:
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / 32], or [N, K / 16] (Q6_K, Q3_K, Q2_K)
     m: torch.Tensor | None = None  # float32, as scale (Q5_1, Q5_K, Q2_K)
+    stored: SuperScales | None = None  # scale and m as a K-quant stores them
 
     @property
     def block(self) -> int:
@@ -53,6 +88,7 @@ class Q4Blocks:
     d: torch.Tensor  # float32 [N, K / 32]
     m: torch.Tensor | None  # float32 [N, K / 32]; None with values
     values: torch.Tensor | None = None  # int8 [16]: the weight of each q, before d (None: q itself, plus m)
+    stored: SuperScales | None = None  # d and m as a K-quant stores them
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -132,16 +168,20 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(qh).view(np.uint32) >> np.arange(BLOCK, dtype=np.uint32)) & 1
 
 
-def _k_scales(b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4_K / Q5_K super-block's leading 16 bytes (d, dmin float16, 12 bytes of 6-bit scales and mins) -> the
-    (scale, m) of its 8 sub-blocks of 32: d * scale6 and -dmin * min6, each exact in float32."""
+def _steps(a: np.ndarray) -> torch.Tensor:
+    """Small integers [rows, super-blocks, per super-block] -> int8 [rows, scales per row]."""
+    return torch.from_numpy(a.astype(np.int8).reshape(a.shape[0], -1))
+
+
+def _k_scales(b: np.ndarray) -> SuperScales:
+    """A Q4_K / Q5_K super-block's leading 16 bytes (d, dmin float16, 12 bytes of 6-bit scales and mins) -> its 8
+    sub-blocks' scales d * scale6 and mins -dmin * min6."""
     d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
     s = b[..., 4:16].astype(np.uint8)
     lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     scale6 = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
     min6 = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
-    return d[..., None] * torch.from_numpy(scale6.astype(np.float32)), \
-        -(dmin[..., None] * torch.from_numpy(min6.astype(np.float32)))
+    return SuperScales(_steps(scale6), d, _steps(min6), -dmin)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -169,9 +209,8 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         low = np.stack([ql & 0x0F, ql >> 4], axis=3)  # values 32 j + l of a half: j = (nibble, byte run)
         high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3
         q = (low.reshape(rows, -1, 2, 4, 32) | (high << 4)).astype(np.int8) - 32
-        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-        scale = _half(b[..., 208:210])[..., None] * torch.from_numpy(sc)
-        return Q8Blocks(torch.from_numpy(q.reshape(rows, cols)), scale.reshape(rows, cols // 16).contiguous())
+        stored = SuperScales(_steps(np.ascontiguousarray(b[..., 192:208]).view(np.int8)), _half(b[..., 208:210]))
+        return Q8Blocks(torch.from_numpy(q.reshape(rows, cols)), stored.scales(), None, stored)
     if type_name in ("Q4_0", "Q4_1"):  # per block: d f16, (m f16), 16 bytes of nibbles
         b = data.reshape(rows, nb, 18 if type_name == "Q4_0" else 20)
         d = _half(b[..., :2])
@@ -180,32 +219,31 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         return Q4Blocks(q, d.contiguous(), m.contiguous())
     if type_name in ("Q4_K", "Q5_K"):  # per 256: d, dmin, 6-bit scales/mins (16 bytes), (32 bytes of fifth bits),
         b = data.reshape(rows, cols // 256, 144 if type_name == "Q4_K" else 176)  # 128 bytes of nibbles
-        scale, m = (t.reshape(rows, nb).contiguous() for t in _k_scales(b))
+        stored = _k_scales(b)
         qs = b[..., -128:].reshape(rows, cols // 256, 4, 32)  # 64 values per 32 bytes: low nibbles, then high
         q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols // 256, 8, 32)
         if type_name == "Q4_K":
-            return Q4Blocks(torch.from_numpy(q.reshape(rows, cols)), scale, m)
+            return Q4Blocks(torch.from_numpy(q.reshape(rows, cols)), stored.scales(), stored.mins(), None, stored)
         fifth = (b[..., 16:48].reshape(rows, cols // 256, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-        return Q8Blocks(torch.from_numpy((q | (fifth << 4)).astype(np.int8).reshape(rows, cols)), scale, m)
+        return Q8Blocks(torch.from_numpy((q | (fifth << 4)).astype(np.int8).reshape(rows, cols)), stored.scales(),
+                        stored.mins(), stored)
     if type_name in ("Q2_K", "Q3_K"):  # per 16 values a scale (and Q2_K a min); 2-bit values, 4 per byte
         b = data.reshape(rows, cols // 256, 84 if type_name == "Q2_K" else 110)
         # 64 bytes: per half of the 256 values, 32 bytes whose bits 2j, 2j + 1 of byte l hold value 32 j + l
         qs = b[..., 16:80] if type_name == "Q2_K" else b[..., 32:96]
         q = ((qs.reshape(rows, -1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(rows, cols)
         if type_name == "Q2_K":  # 16 bytes of (scale4 | min4 << 4), 64 of values, d, dmin f16
-            sc, d, dmin = b[..., :16], _half(b[..., 80:82]), _half(b[..., 82:84])
-            scale = d[..., None] * torch.from_numpy((sc & 0x0F).astype(np.float32))
-            m = -(dmin[..., None] * torch.from_numpy((sc >> 4).astype(np.float32)))
-            return Q8Blocks(torch.from_numpy(q.astype(np.int8)), scale.reshape(rows, -1), m.reshape(rows, -1))
+            sc = b[..., :16]
+            stored = SuperScales(_steps(sc & 0x0F), _half(b[..., 80:82]), _steps(sc >> 4), -_half(b[..., 82:84]))
+            return Q8Blocks(torch.from_numpy(q.astype(np.int8)), stored.scales(), stored.mins(), stored)
         # Q3_K: 32 bytes of high bits (value 32 j + l at bit j of byte l; clear: minus 4), 64 of low pairs, 12 bytes
         # of 6-bit scales (low nibbles in bytes 0-7, high pairs in 8-11), d f16
         high = (b[..., None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
         q = q.astype(np.int8) - ((high.reshape(rows, cols) ^ 1) << 2).astype(np.int8)
         low = (b[..., None, 96:104] >> np.array([0, 4], dtype=np.uint8)[:, None]).reshape(rows, -1, 16) & 0x0F
         top = (b[..., None, 104:108] >> (2 * np.arange(4, dtype=np.uint8))[:, None]).reshape(rows, -1, 16) & 3
-        sc6 = (low | (top << 4)).astype(np.float32) - 32
-        scale = _half(b[..., 108:110])[..., None] * torch.from_numpy(sc6)
-        return Q8Blocks(torch.from_numpy(q), scale.reshape(rows, -1))
+        stored = SuperScales(_steps((low | (top << 4)).astype(np.int8) - 32), _half(b[..., 108:110]))
+        return Q8Blocks(torch.from_numpy(q), stored.scales(), None, stored)
     if type_name == "IQ4_NL":  # per block: d f16, 16 bytes of indices (low nibbles the first 16 values)
         b = data.reshape(rows, nb, 18)
         return _iq4(_nibbles(b[..., 2:]).reshape(rows, cols), _half(b[..., :2]).contiguous())
@@ -213,9 +251,8 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
         b = data.reshape(rows, cols // 256, 136)  # then per 32 values 16 bytes of indices as IQ4_NL's
         high = (np.ascontiguousarray(b[..., 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
         low = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(rows, -1, 8)
-        sc6 = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
-        scale = _half(b[..., :2])[..., None] * torch.from_numpy(sc6)
-        return _iq4(_nibbles(b[..., 8:].reshape(rows, -1, 8, 16)).reshape(rows, cols), scale.reshape(rows, nb))
+        stored = SuperScales(_steps((low | (high.astype(np.uint8) << 4)).astype(np.int8) - 32), _half(b[..., :2]))
+        return _iq4(_nibbles(b[..., 8:].reshape(rows, -1, 8, 16)).reshape(rows, cols), stored.scales(), stored=stored)
     if type_name == "MXFP4":  # per block: E8M0 e, 16 bytes of indices as IQ4_NL's; d = ggml_e8m0_to_fp32_half(e)
         b = data.reshape(rows, nb, 17)
         e = b[..., 0].astype(np.uint32)
@@ -224,8 +261,9 @@ def from_gguf(type_name: str, data: np.ndarray, rows: int, cols: int) -> Blocks:
     raise ValueError(f"weight_blocks: {', '.join(STORED)} are read as blocks, not {type_name}")
 
 
-def _iq4(index: np.ndarray, d: torch.Tensor, values: np.ndarray = IQ4_VALUES) -> Q4Blocks:
-    return Q4Blocks(torch.from_numpy(index), d, None, torch.from_numpy(values))
+def _iq4(index: np.ndarray, d: torch.Tensor, values: np.ndarray = IQ4_VALUES, stored: SuperScales | None = None
+         ) -> Q4Blocks:
+    return Q4Blocks(torch.from_numpy(index), d, None, torch.from_numpy(values), stored)
 
 
 def _matrix(weight: Blocks | InputsPermuted | torch.Tensor) -> torch.Tensor:
@@ -249,9 +287,11 @@ def take_rows(blocks: Blocks | torch.Tensor, index: torch.Tensor) -> Blocks | to
     """The same blocks with their output channels reordered (a row is whole blocks, so nothing is rounded)."""
     if isinstance(blocks, torch.Tensor):
         return blocks[index]
+    stored = None if blocks.stored is None else blocks.stored.rows(index)
     if isinstance(blocks, Q8Blocks):
-        return Q8Blocks(blocks.q[index], blocks.scale[index], None if blocks.m is None else blocks.m[index])
-    return Q4Blocks(blocks.q[index], blocks.d[index], None if blocks.m is None else blocks.m[index], blocks.values)
+        return Q8Blocks(blocks.q[index], blocks.scale[index], None if blocks.m is None else blocks.m[index], stored)
+    return Q4Blocks(blocks.q[index], blocks.d[index], None if blocks.m is None else blocks.m[index], blocks.values,
+                    stored)
 
 
 def _join_key(weight: Blocks | InputsPermuted | torch.Tensor) -> tuple:
@@ -271,12 +311,12 @@ def _cat_same(parts: list[Blocks | InputsPermuted | torch.Tensor]) -> Blocks | I
         return parts[0]
     if isinstance(parts[0], InputsPermuted):
         return InputsPermuted(_cat_same([p.blocks for p in parts]), parts[0].index)
-    if isinstance(parts[0], Q8Blocks):
+    if isinstance(parts[0], (Q8Blocks, Q4Blocks)):
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return Q8Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), m)
-    if isinstance(parts[0], Q4Blocks):
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].values)
+        q, stored = torch.cat([p.q for p in parts]), SuperScales.cat([p.stored for p in parts])
+        if isinstance(parts[0], Q8Blocks):
+            return Q8Blocks(q, torch.cat([p.scale for p in parts]), m, stored)
+        return Q4Blocks(q, torch.cat([p.d for p in parts]), m, parts[0].values, stored)
     return torch.cat(parts)
 
 

@@ -48,7 +48,8 @@ On the GPU (`device: cuda`): `aten` (cuBLAS) for float weights; `triton_q8_0` an
 cores (float32 models in IEEE float32); one tactic per form there, so nothing is timed.
 `int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
 of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form (a fused one of
-mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths).
+mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths;
+the int8-activation kernels read a K-quant's scales as stored, int8 steps under a float32 unit: the same numbers).
 Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
 the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
 (Q8_0: 88 %), since a few activation channels are far larger than the rest; `aten._weight_int4pack_mm_for_cpu`
@@ -189,6 +190,16 @@ def _panel_major(t: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(0) if t is None else _panels(t).transpose(1, 2).contiguous()
 
 
+def _scales_as_read(blocks: Blocks) -> tuple[torch.Tensor, ...]:
+    """(scales, mins, scale steps, min steps) of the int8 kernels (kernels/block_scales.h): a K-quant's stored steps
+    under their float32 units, else the float32 scales; an empty tensor for each that is not there."""
+    s = blocks.stored
+    if s is None:
+        scale = blocks.scale if isinstance(blocks, Q8Blocks) else blocks.d
+        return _panel_major(scale), _panel_major(blocks.m), _panel_major(None), _panel_major(None)
+    return _panel_major(s.unit), _panel_major(s.min_unit), _panel_major(s.step), _panel_major(s.min_step)
+
+
 def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
@@ -196,12 +207,12 @@ def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Ge
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
     (n, k), q, b = blocks.q.shape, _panels(blocks.q), blocks.block
     packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
-    scales, mins = _panel_major(blocks.scale), _panel_major(blocks.m)
+    scales, mins, scale_steps, min_steps = _scales_as_read(blocks)
     # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
     comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
     ops = torch.ops.llm_kernels
-    return _float_bias(bias, PackedKernel(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts, (packed, scales, mins, comp),
-                                          (), n))
+    return _float_bias(bias, PackedKernel(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts,
+                                          (packed, scales, mins, comp, scale_steps, min_steps), (), n))
 
 
 def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Gemm:
@@ -213,10 +224,10 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
     # per block: 4 groups of [16 channels][4 k]; a byte holds k = 4g + j (low nibble) and 16 + 4g + j (high)
     q = q.view(-1, 16, k // 32, 2, 4, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256).contiguous()
-    d, m = _panel_major(blocks.d), _panel_major(blocks.m)
     values = torch.empty(0, dtype=torch.int8) if blocks.values is None else blocks.values
     ops = torch.ops.llm_kernels
-    return _float_bias(bias, PackedKernel(ops.q4_1_w4a8_linear, ops.q4_1_w4a8_experts, (packed, d, m), (values,), n))
+    return _float_bias(bias, PackedKernel(ops.q4_1_w4a8_linear, ops.q4_1_w4a8_experts,
+                                          (packed, *_scales_as_read(blocks)), (values,), n))
 
 
 def _triton_blocks(weight: torch.Tensor | Blocks, bias: torch.Tensor | None, form: Callable[..., Blocks]) -> Gemm:

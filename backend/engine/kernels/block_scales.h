@@ -1,0 +1,60 @@
+// A panel's scales (or mins) of the int8 GEMMs, one per block of its 16 channels: float32, or as llama.cpp's K-quants
+// store them (models/weight_blocks.py, SuperScales): an int8 step per block times a float32 unit per 256 weights along
+// K (a Q4_K's d * scale6, a Q6_K's d * sc). Each product is exact in float32, so the kernel forms in registers the
+// same numbers the float32 scales hold, from 1 byte a block instead of 4: a Q4_K weight is read in 4.75 bits, not 6,
+// and a Q6_K one (as int8 per 16) in 8.6, not 10.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace llm_kernels {
+
+struct BlockScales {
+  const float* f;       // [scales, 16] float32, or with steps the units [scales / per_unit, 16]
+  const int8_t* steps;  // [scales, 16], or null
+  int64_t per_unit;     // scales under one unit: 256 weights' worth
+
+  // These of panel p, for `scales` per panel row along K.
+  BlockScales nth(int64_t p, int64_t scales) const {
+    if (!f) return *this;
+    if (!steps) return {f + p * scales * 16, nullptr, per_unit};
+    return {f + p * scales / per_unit * 16, steps + p * scales * 16, per_unit};
+  }
+
+#if defined(__AVX2__)
+  // Channels 8h .. 8h + 7 of scale i.
+  __m256 eight(int64_t i, int h) const {
+    if (!steps) return _mm256_loadu_ps(f + i * 16 + 8 * h);
+    const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + i * 16 + 8 * h));
+    return _mm256_mul_ps(_mm256_loadu_ps(f + i / per_unit * 16 + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+  }
+#endif
+#if defined(__AVX512F__)
+  // The 16 channels of scale i.
+  __m512 sixteen(int64_t i) const {
+    if (!steps) return _mm512_loadu_ps(f + i * 16);
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + i * 16));
+    return _mm512_mul_ps(_mm512_loadu_ps(f + i / per_unit * 16), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+  }
+#endif
+};
+
+// `f` [stacked, n, 16] float32 and `steps` empty, or `f` the units [stacked, n / per_unit, 16] float32 and `steps`
+// [stacked, n, 16] int8; both empty: none (a null f).
+inline BlockScales block_scales(const char* op, const char* name, const at::Tensor& f, const at::Tensor& steps,
+                                int64_t stacked, int64_t n, int64_t per_unit) {
+  if (f.numel() == 0 && steps.numel() == 0) return {nullptr, nullptr, per_unit};
+  const bool stepped = steps.numel() > 0;
+  TORCH_CHECK(f.is_contiguous() && f.scalar_type() == at::kFloat &&
+              f.sizes() == at::IntArrayRef({stacked, stepped ? n / per_unit : n, 16}) &&
+              (!stepped || (n % per_unit == 0 && steps.is_contiguous() && steps.scalar_type() == at::kChar &&
+                            steps.sizes() == at::IntArrayRef({stacked, n, 16}))),
+              op, ": ", name, " [panels, ", n, ", 16] float32, or its units [panels, ", n / per_unit,
+              ", 16] float32 and steps [panels, ", n, ", 16] int8, expected");
+  return {f.data_ptr<float>(), stepped ? steps.data_ptr<int8_t>() : nullptr, per_unit};
+}
+
+}  // namespace llm_kernels
