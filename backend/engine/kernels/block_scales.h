@@ -31,6 +31,17 @@ struct BlockScales {
     const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + i * 16 + 8 * h));
     return _mm256_mul_ps(_mm256_loadu_ps(f + i / per_unit * 16 + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
   }
+
+  // These n scales (a panel's) as float32 [n, 16] in `out`: for a call that passes over the panel more than once,
+  // the steps converted once, not per pass (a bigger share of the work where many rows share each weight).
+  BlockScales as_floats(int64_t n, float* out) const {
+    if (!steps) return *this;
+    for (int64_t i = 0; i < n; ++i) {
+      _mm256_storeu_ps(out + i * 16, eight(i, 0));
+      _mm256_storeu_ps(out + i * 16 + 8, eight(i, 1));
+    }
+    return {out, nullptr, per_unit};
+  }
 #endif
 #if defined(__AVX512F__)
   // The 16 channels of scale i.

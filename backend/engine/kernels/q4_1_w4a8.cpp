@@ -215,6 +215,11 @@ template <bool kTable>
 inline void rows_from(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, const uint8_t* wp,
                       BlockScales dp, BlockScales mp, const int8_t* values, float* y, int64_t ldy, int64_t r) {
   const int64_t nb = K / kBlock;
+  if (M - r > kRows) {  // several passes over this panel: its scales' steps converted once
+    thread_local std::vector<float> scales;
+    scales.resize(2 * nb * kPanel);
+    dp = dp.as_floats(nb, scales.data()), mp = mp.as_floats(nb, scales.data() + nb * kPanel);
+  }
   for (; r + kRows <= M; r += kRows)
     microkernel<kRows, kTable>(xq + r * K, xd + r * nb, xs + r * nb, K, wp, dp, mp, values, y + r * ldy, ldy, r == 0);
   last_rows<kRows - 1, kTable>(xq, xd, xs, M, K, wp, dp, mp, values, y, ldy, r);
@@ -248,11 +253,13 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
     llm_kernels::load_int8_block_tiles();
     alignas(64) int32_t c[16][kPanel];
     std::vector<uint8_t> wide(nb * kBlock * kPanel);  // a panel's weights, a byte each
+    std::vector<float> scales(2 * nb * kPanel);  // and its scales as float32, for every tile
     const __m512i table = kTable ? biased_table(values) : _mm512_setzero_si512();
     for (int64_t p = queue.take(thread), next; p >= 0; p = next) {
       next = queue.take(thread);
       const uint8_t* wp = w + p * nb * kPanelBytes;
-      const BlockScales dp = d.nth(p, nb), mp = m.nth(p, nb);
+      const BlockScales dp = d.nth(p, nb).as_floats(nb, scales.data()),
+                        mp = m.nth(p, nb).as_floats(nb, scales.data() + nb * kPanel);
       for (int64_t b = 0; b < nb; ++b) {
         for (int g = 0; g < 4; ++g) {
           __m512i lo, hi;

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "amx.h"
 #include "block_scales.h"
@@ -218,6 +219,12 @@ template <int SUB, bool MIN>
 inline void rows_from(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_t M, int64_t K, Panel one,
                       float* y, int64_t N, int64_t cols, int64_t m) {
   const int64_t nb = K / kBlock;
+  if (M - m > kRows) {  // several passes over this panel: its scales' steps converted once
+    thread_local std::vector<float> scales;
+    scales.resize(2 * nb * SUB * kPanel);
+    one.scales = one.scales.as_floats(nb * SUB, scales.data());
+    one.mins = one.mins.as_floats(nb * SUB, scales.data() + nb * SUB * kPanel);
+  }
   for (; m + kRows <= M; m += kRows)
     microkernel<kRows, SUB, MIN>(pxq + m * K, pxs + m * nb, pxsum + m * 2 * nb, K, one, y + m * N, N, cols, m == 0);
   last_rows<kRows - 1, SUB, MIN>(pxq, pxs, pxsum, M, K, one, y, N, cols, m);
@@ -250,9 +257,12 @@ void amx_panels(const uint8_t* pxq, const float* pxs, const float* pxsum, int64_
   llm_kernels::parallel_take(num_panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::load_int8_block_tiles();
     alignas(64) int32_t c[16][kPanel];
+    std::vector<float> scales(2 * nb * kPanel);  // a panel's scales as float32, for every tile
     for (int64_t p = queue.take(thread), next; p >= 0; p = next) {
       next = queue.take(thread);
-      const Panel one = all.nth(p, K, 1);
+      Panel one = all.nth(p, K, 1);
+      one.scales = one.scales.as_floats(nb, scales.data());
+      one.mins = one.mins.as_floats(nb, scales.data() + nb * kPanel);
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
       for (int64_t t = 0; t < tiles; ++t) {
