@@ -171,9 +171,15 @@ def test_a_mixture_of_experts_file_is_served_expert_by_expert(family, tmp_path, 
     assert tactics[(2 * inter, 64)] == "q4_1_w4a8" and tactics[(64, inter)] in ("q8_0", "q8_0_w8a8")
     # both int8-activation kernels: a layer's experts in one call per Linear (q8_0 has no experts kernel)
     assert [layer.moe.stacked is not None for layer in runner.model.layers] == [tactics[(64, inter)] == "q8_0_w8a8"] * 2
-    assert_near(all_logits(runner, tokens), all_logits(reference_runner, tokens), 0.05, 0.85)
+    # either Q8_0 tactic that timing may pick (a machine's choice) within its bound of float32 on the same values:
+    # float activations (q8_0) 0.05 / 85 % (measured 0.017 / 98 %); int8 ones as llama.cpp rounds them (q8_0_w8a8)
+    # 0.08 / 85 % (measured on mixtral 0.059 / 89 %: the mean is 2 of 120 positions routed to other experts, 0.3 / 0.7)
+    reference = all_logits(reference_runner, tokens)
+    assert_near(all_logits(TorchRunner(folder, "float32", 64, 16, gemm_backend="q8_0", quantization="gguf"), tokens),
+                reference, 0.05, 0.85)
     w8a8 = TorchRunner(folder, "float32", 64, 16, gemm_backend="q8_0_w8a8", quantization="gguf")  # stacked here too
     assert all(layer.moe.stacked is not None for layer in w8a8.model.layers)
+    assert_near(all_logits(w8a8, tokens), reference, 0.08, 0.85)
     monkeypatch.setattr(torch_runner, "stack_experts", lambda model: 0)
     one_by_one = TorchRunner(folder, "float32", 64, 16, gemm_backend="q8_0_w8a8", quantization="gguf")
     assert torch.equal(all_logits(w8a8, tokens), all_logits(one_by_one, tokens))
