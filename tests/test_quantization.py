@@ -125,12 +125,13 @@ def test_q4_1_w4a8_is_exact_math_on_its_rounding(m, n, k):
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("tactic, type_name", [("q8_0_w8a8", "Q8_0"), ("q8_0_w8a8", "Q5_1"), ("q4_1_w4a8", "Q4_1"),
-                                               ("q4_1_w4a8", "IQ4_NL")])
+@pytest.mark.parametrize("tactic, type_name", [("q8_0_w8a8", "Q8_0"), ("q8_0_w8a8", "Q5_1"), ("q8_0_w8a8", "Q6_K"),
+                                               ("q8_0_w8a8", "Q2_K"), ("q4_1_w4a8", "Q4_1"), ("q4_1_w4a8", "IQ4_NL")])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tactic, type_name):
     """Each row of 45 at once equals that row alone, bit for bit. With AMX-INT8 (kernels/q8_0_w8a8.cpp and
     q4_1_w4a8.cpp) the first 32 rows go in tiles of 16, the last 13 through the VNNI microkernel, and one row alone
-    through the microkernel: the two paths give the same float32 sums. A CPU without VNNI refuses q8_0_w8a8 by name."""
+    through the microkernel: the two paths give the same float32 sums (the 6-bit weights, Q6_K and Q2_K, stay on
+    VNNI: passes of 12 rows, then 9). A CPU without VNNI refuses q8_0_w8a8 by name."""
     if (why := gemm.why_not(tactic, torch.float32)) is not None:
         assert tactic == "q8_0_w8a8" and "needs AVX512-VNNI" in why
         return
@@ -184,6 +185,31 @@ def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(typ
         want = floats(rows)
         assert torch.equal(as_stored(rows), want)
         assert torch.equal(kernel.experts_op(rows, *kernel.panels, *kernel.shared, n, [0], [0, len(rows)]), want)
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K", "Q2_K"])
+def test_a_k_quants_16_weight_sub_blocks_are_read_in_6_bits(type_name):
+    """The values of a K-quant with a scale per 16 weights fit in 6 bits (Q6_K -32..31, Q3_K -4..3, Q2_K 0..3), and
+    q8_0_w8a8 packs them so (kernels/q8_0_w8a8.cpp: 4 bits in the 4-bit kernels' nibble layout, the top 2 in planes
+    beside them) with no comp: 6 bits a weight where int8 values and comp took 10 (as llama.cpp's Q6_K's 6.56 with
+    its scales, ours 6.63). Exact math on the values is the test above; a weight with a scale per 16 outside 6 bits
+    is refused by name."""
+    if not w8a8_runs_here():
+        return
+    rng = np.random.default_rng(5)
+    n, k = 577, 512
+    blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
+    kernel = gemm.TACTICS["q8_0_w8a8"].prepare(blocks, None).gemm
+    packed, scales, mins, comp, scale_steps, min_steps = kernel.panels
+    panels = -(-n // 16)
+    assert packed.dtype == torch.uint8 and packed.shape == (panels, k // 32, 384) and comp.numel() == 0
+    bits = 8 * sum(t.nbytes for t in kernel.panels) / (panels * 16 * k)
+    # 6 bits, an int8 step per 16 and a float32 unit per 256 (and as many for Q2_K's mins); Q3_K and Q2_K: 6-bit
+    # values of their 3.4 and 2.6 bits
+    assert bits <= 6.625 + (0.625 if blocks.m is not None else 0), bits
+    wide = dataclasses.replace(blocks, q=blocks.q.clone().index_fill_(1, torch.tensor([5]), -33))
+    with pytest.raises(ValueError, match="q8_0_w8a8: a weight with a scale per 16 must have values in -32..31"):
+        gemm.TACTICS["q8_0_w8a8"].prepare(wide, None)
 
 
 def assert_near(logits: torch.Tensor, reference: torch.Tensor, max_relative: float, min_agreement: float) -> None:

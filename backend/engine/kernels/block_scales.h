@@ -2,7 +2,7 @@
 // store them (models/weight_blocks.py, SuperScales): an int8 step per block times a float32 unit per 256 weights along
 // K (a Q4_K's d * scale6, a Q6_K's d * sc). Each product is exact in float32, so the kernel forms in registers the
 // same numbers the float32 scales hold, from 1 byte a block instead of 4: a Q4_K weight is read in 4.75 bits, not 6,
-// and a Q6_K one (as int8 per 16) in 8.6, not 10.
+// and a Q6_K one (its values in 6 bits, q8_0_w8a8.cpp) in 6.6, not 8.
 #pragma once
 
 #include <ATen/ATen.h>

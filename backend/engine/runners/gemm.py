@@ -39,6 +39,9 @@ its weight form are the only candidates. Weights in llama.cpp's block forms (mod
 - `q8_0_w8a8`: ours (kernels/q8_0_w8a8.cpp), the same weights times activations rounded the same way per call (32
   values of a row per scale), in int8 arithmetic (AVX512-VNNI, or AVX2's vpmaddubsw as llama.cpp's AVX2 dot product;
   16 rows at a time in AMX-INT8 tiles where the CPU has them; the same result bit for bit): llama.cpp's Q8_0 x Q8_0.
+  A K-quant with a scale per 16 (Q6_K, Q3_K, Q2_K) has 6-bit values, packed in 6 bits as llama.cpp's Q6_K holds them
+  (the same result bit for bit): 6.6 bits a weight instead of 10.6. At one row that is a Q6_K lm_head's read cut by
+  38 %; where the kernel is compute-bound (16 rows and more) the unpacking costs ~10 %.
 - `aten_int8`: `torch._weight_int8pack_mm`, a scale per output channel (float weights only, no GGUF blocks).
 - `q4_1_w4a8` (int4): ours (kernels/q4_1_w4a8.cpp), Q4_1 weights (w ~ d q + m per 32; GGUF IQ4_NL / IQ4_XS: d times
   a 16-entry table's value of q) times activations rounded to int8 per 32, in int8 arithmetic (AVX512-VNNI, or
@@ -200,16 +203,38 @@ def _scales_as_read(blocks: Blocks) -> tuple[torch.Tensor, ...]:
     return _panel_major(s.unit), _panel_major(s.min_unit), _panel_major(s.step), _panel_major(s.min_step)
 
 
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 [panels, 16, K] -> the 4-bit kernels' layout [panels, K / 32, 256]: per 32-value block 4 groups
+    of [16 channels][4 k], a byte holding k = 4g + j in its low nibble and 16 + 4g + j in its high one."""
+    q = q.view(q.shape[0], 16, -1, 2, 4, 4)
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(q.shape[0], -1, 256).contiguous()
+
+
+def _six_bits(q: torch.Tensor) -> torch.Tensor:
+    """int8 values -32..31 [panels, 16, K] -> q8_0_w8a8's 6-bit layout [panels, K / 32, 384] (kernels/q8_0_w8a8.cpp):
+    u = q + 32's low 4 bits as _nibbles lays them out, then its top 2 bits in two planes of [16 channels][4 k] bytes,
+    group g's at bits 2g and 2g + 1, the first plane for the low nibbles' values, the second for the high ones'."""
+    if q.numel() and (q.min() < -32 or q.max() > 31):
+        raise ValueError("q8_0_w8a8: a weight with a scale per 16 must have values in -32..31 (6 bits)")
+    u = (q.to(torch.int16) + 32).to(torch.uint8)
+    top = (u >> 4).view(u.shape[0], 16, -1, 2, 4, 4)  # [panels, channels, blocks, half, g, j]
+    planes = sum(top[:, :, :, :, g] << (2 * g) for g in range(4)).permute(0, 2, 3, 1, 4)
+    return torch.cat([_nibbles(u & 15), planes.reshape(u.shape[0], -1, 128)], dim=-1).contiguous()
+
+
 def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
     (n, k), q, b = blocks.q.shape, _panels(blocks.q), blocks.block
-    packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
     scales, mins, scale_steps, min_steps = _scales_as_read(blocks)
-    # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
-    comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
+    if b == 16:  # a K-quant's 16-weight sub-blocks (Q6_K, Q3_K, Q2_K): 6-bit values, read in 6 bits
+        packed, comp = _six_bits(q), torch.empty(0, dtype=torch.int32)
+    else:
+        packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
+        # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
+        comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
     ops = torch.ops.llm_kernels
     return _float_bias(bias, PackedKernel(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts,
                                           (packed, scales, mins, comp, scale_steps, min_steps), (), n))
@@ -220,10 +245,7 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
 
     cpu_kernels.load()
     blocks = weight if isinstance(weight, Q4Blocks) else q4_1(weight)
-    (n, k), q = blocks.q.shape, _panels(blocks.q)
-    # per block: 4 groups of [16 channels][4 k]; a byte holds k = 4g + j (low nibble) and 16 + 4g + j (high)
-    q = q.view(-1, 16, k // 32, 2, 4, 4)
-    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 256).contiguous()
+    n, packed = blocks.q.shape[0], _nibbles(_panels(blocks.q))
     values = torch.empty(0, dtype=torch.int8) if blocks.values is None else blocks.values
     ops = torch.ops.llm_kernels
     return _float_bias(bias, PackedKernel(ops.q4_1_w4a8_linear, ops.q4_1_w4a8_experts,
