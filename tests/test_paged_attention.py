@@ -55,6 +55,15 @@ def test_long_decodes_read_in_segments_equal_gather():
     check_kernel_equals_gather(torch.float32, 2e-5, False, (9, 3, 64), LONG_DECODES, 600)
 
 
+@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
+                                               (torch.float32, 2e-5, True)])
+def test_a_lone_decode_split_by_kv_heads_equals_gather(dtype, tol, kv_int8):
+    """One decode and more threads: its KV heads in parts, a thread each (3 KV heads: 1 and 2), past a segment's
+    length; test_a_generated_token_attends_as_a_decode_in_any_chunk holds such a decode to the same token's bits in a
+    batch, where it is not split."""
+    check_kernel_equals_gather(dtype, tol, kv_int8, (9, 3, 64), [(1001, 1)], 600)
+
+
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)])  # Gemma 3's head_dim 256: 32 vectors on AVX2
 @pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
                                                (torch.float32, 2e-5, True)])

@@ -96,30 +96,31 @@ constexpr int64_t kSegmentBytes = 256 * 1024;
 template <typename scalar_t, int V>
 void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                   const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                  int64_t lo, int64_t n, const Shape& shape, float* __restrict scores, int64_t* __restrict offsets,
-                  float* __restrict acc) {
+                  int64_t lo, int64_t n, const Shape& shape, int64_t kv0, int64_t kv1, float* __restrict scores,
+                  int64_t* __restrict offsets, float* __restrict acc) {
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes;
-  const int64_t BS = shape.block_size, row = KVH * D;
+  const int64_t BS = shape.block_size, row = KVH * D, slice = (kv1 - kv0) * D;  // a row's part of KV heads kv0..kv1-1
   for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
   // keys per segment: a multiple of 16 (whole sum16 groups, whole p.v pairs)
   const int64_t segment = std::max<int64_t>(16, kSegmentBytes / (row * sizeof(scalar_t)) / 16 * 16);
-  // the rows of keys j0..j1-1 into cache: a block's rows are contiguous; kStreams blocks at a time, a line of each in
-  // turn (2 blocks: 1.2x less time than 1; 4 and 8: 1.3-1.8x)
+  // the rows of keys j0..j1-1 (their KV heads kv0..kv1-1) into cache: a block's rows are contiguous; kStreams blocks
+  // at a time, a line of each in turn (2 blocks: 1.2x less time than 1; 4 and 8: 1.3-1.8x)
   constexpr int kStreams = 8;
   const auto stream = [&](const scalar_t* __restrict cache, int64_t j0, int64_t j1) {
     constexpr int64_t kLine = 64 / sizeof(scalar_t);
     vfloat t = {};
     for (int64_t j = j0; j < j1;) {
       const scalar_t* __restrict p[kStreams];
-      int64_t len[kStreams], most = 0;
+      int64_t rows[kStreams], most = 0;
       for (int r = 0; r < kStreams; ++r) {
         const int64_t run = j < j1 ? std::min(BS - (j % BS), j1 - j) : 0;
-        p[r] = cache + (run ? offsets[j] : 0), len[r] = run * row, most = std::max(most, len[r]);
+        p[r] = cache + (run ? offsets[j] + kv0 * D : 0), rows[r] = run, most = std::max(most, run);
         j += run;
       }
-      for (int64_t e = 0; e < most; e += kLine)
-        for (int r = 0; r < kStreams; ++r)
-          if (e < len[r]) t += load(p[r] + e);
+      for (int64_t i = 0; i < most; ++i)
+        for (int64_t e = 0; e < slice; e += kLine)
+          for (int r = 0; r < kStreams; ++r)
+            if (i < rows[r]) t += load(p[r] + i * row + e);
     }
     volatile float sink = sum(t);  // the loads are for their side effect: keep them (portably: no asm)
     (void)sink;
@@ -128,7 +129,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(k_cache, s0, s1);
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
       const scalar_t* __restrict keys = k_cache + (h / G) * D;  // the head's KV head within a row
       vfloat qv[V];
       for (int v = 0; v < V; ++v) qv[v] = load(q + h * D + v * kLanes) * shape.scale;
@@ -153,11 +154,12 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 
   float *__restrict acc1 = acc + H * D, *__restrict inv = acc + 2 * H * D;  // two chains of FMAs: keys j and j + 1
   std::fill(acc, acc + 2 * H * D, 0.f);
-  for (int64_t h = 0; h < H; ++h) inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo, shape.sink(h));
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
+    inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo, shape.sink(h));
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(v_cache, s0, s1);
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
       const scalar_t* __restrict values = v_cache + (h / G) * D;
       const float* __restrict p = scores + h * shape.max_ctx;
       vfloat a[V], a1[V];
@@ -175,7 +177,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
       for (int v = 0; v < V; ++v) store(acc + h * D + v * kLanes, a[v]), store(acc1 + h * D + v * kLanes, a1[v]);
     }
   }
-  for (int64_t h = 0; h < H; ++h)
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
     for (int v = 0; v < V; ++v)
       store(out + h * D + v * kLanes, (load(acc + h * D + v * kLanes) + load(acc1 + h * D + v * kLanes)) * inv[h]);
 }
@@ -191,8 +193,9 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 template <typename scalar_t, typename cache_t, int V>
 void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restrict k_cache,
                           const cache_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                          int64_t lo, int64_t n, const Shape& shape, float* __restrict scores,
-                          int64_t* __restrict offsets, float* __restrict rows, float* __restrict acc) {
+                          int64_t lo, int64_t n, const Shape& shape, int64_t kv0, int64_t kv1,
+                          float* __restrict scores, int64_t* __restrict offsets, float* __restrict rows,
+                          float* __restrict acc) {
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, W = D + (kInt8 ? 4 : 0);
 #if defined(__AVX512BF16__)
@@ -218,7 +221,7 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
     }
   };
 
-  for (int64_t kh = 0; kh < KVH; ++kh) {
+  for (int64_t kh = kv0; kh < kv1; ++kh) {
     for (int64_t j0 = lo; j0 < n; j0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - j0);
       if constexpr (kPairDots) {  // the keys stay bfloat16; prefetched as widen() would
@@ -547,6 +550,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
   };
   struct Single {
     int64_t seq, token;  // token: its row in q and out; it sees keys 0..its position
+    int64_t kv0, kv1;  // its KV heads kv0..kv1-1 (and their query heads)
   };
   std::vector<Tile> tiles;
   std::vector<Single> singles;  // the tokens that attend one by one (decodes)
@@ -557,7 +561,17 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     for (int64_t kh = 0; kh < shape.num_kv_heads && tiled; ++kh)
       for (int64_t t = begin; t < begin + tiled; t += per_tile)
         tiles.push_back({s, kh, t, std::min(per_tile, begin + tiled - t)});
-    for (int64_t t = begin + tiled; t < end; ++t) singles.push_back({s, t});
+    for (int64_t t = begin + tiled; t < end; ++t) singles.push_back({s, t, 0, shape.num_kv_heads});
+  }
+  // Fewer decodes than threads (one sequence: one item, one busy thread): each token's KV heads in parts, one an item.
+  // A head's sums are the same either way.
+  if (const int64_t decodes = singles.size(); decodes && decodes < at::get_num_threads()) {
+    const int64_t parts = std::min<int64_t>(shape.num_kv_heads, (at::get_num_threads() + decodes - 1) / decodes);
+    std::vector<Single> split;
+    for (const Single& one : singles)
+      for (int64_t i = 0; i < parts; ++i)
+        split.push_back({one.seq, one.token, shape.num_kv_heads * i / parts, shape.num_kv_heads * (i + 1) / parts});
+    singles = std::move(split);
   }
   const auto token = [&](auto head_vectors) {
     constexpr int V = decltype(head_vectors)::value;
@@ -605,16 +619,16 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
           acc(kFloat ? (2 * D + 1) * H : G * D);
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t i; (i = queue.take(thread)) >= 0;) {
-        const int64_t s = singles[i].seq, t = singles[i].token;
+        const auto [s, t, kv0, kv1] = singles[i];
         const int64_t n = context_lens[s] - (query_start[s + 1] - 1 - t);  // it sees keys lo..n - 1
         const int64_t lo = shape.window ? std::max<int64_t>(0, n - shape.window) : 0;
         const int64_t* table = block_tables + s * shape.max_blocks;
         if constexpr (!std::is_same_v<cache_t, float>)
           attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape,
-                                                     scores.data(), offsets.data(), rows.data(), acc.data());
+                                                     kv0, kv1, scores.data(), offsets.data(), rows.data(), acc.data());
         else
-          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape, scores.data(),
-                                    offsets.data(), acc.data());
+          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape, kv0, kv1,
+                                    scores.data(), offsets.data(), acc.data());
       }
     });
   };
