@@ -75,8 +75,26 @@ def _gpt_oss():  # gpt-oss-20b's design (its vocabulary, heads of 64, 8:1 GQA, w
                         num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False)
 
 
+def _llama_3_2_1b():  # Llama-3.2-1B's config (its llama3 rope scaling, tied embeddings)
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
+                       max_position_embeddings=131072, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192})
+
+
+def _qwen3_4b():  # Qwen3-4B's config
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=151936, hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True,
+                       max_position_embeddings=40960,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
 SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b,
-                               "gpt-oss-1.6b-a0.4b": _gpt_oss}
+                               "gpt-oss-1.6b-a0.4b": _gpt_oss, "llama-3.2-1b": _llama_3_2_1b, "qwen3-4b": _qwen3_4b}
 
 
 def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
