@@ -78,11 +78,12 @@ inline float row_scale(const cache_t* __restrict r, int64_t D) {
   return scale;
 }
 
-// One query token against keys 0..n-1 of its sequence, head by head: the head's query and its output
-// accumulator stay in registers (V vectors of kLanes floats: head_dim = V * kLanes). q.k costs V loads and V
-// FMAs per (head, key) and, with AVX-512, a shared horizontal add per 16 keys (sum16); p.v V loads and V FMAs
-// in two chains. Key j's row (every KV head of one position) starts at element offsets[j] of the cache: the
-// block table is read once per token.
+// One query token against keys 0..n-1 of its sequence (its KV heads kv0..kv1-1), 16 keys at a time, head by head: the
+// head's query and its output accumulator in registers (V vectors of kLanes floats: head_dim = V * kLanes). q.k costs
+// V loads and V FMAs per (head, key) and, with AVX-512, a shared horizontal add per 16 keys (sum16); p.v V loads and V
+// FMAs in two chains. The G heads of a KV head read a chunk's rows from L1 (head by head over a whole segment, each
+// re-read its rows from L2: a third of the time at 1,024 keys, Zen 5). Key j's row (every KV head of one position)
+// starts at element offsets[j] of the cache: the block table is read once per token.
 // The rows come from memory first, kSegmentBytes of keys (then of values) at a time: `stream` reads every cache line of
 // the segment's rows once, kStreams blocks side by side, and the heads then compute over the segment from L2. Reading
 // while computing (the kernel before this, each group's first head fetching its rows as it used them) drew 14-15 GB/s
@@ -90,14 +91,14 @@ inline float row_scale(const cache_t* __restrict r, int64_t D) {
 // side the kernel took 1.3-1.8x less time (AMD EPYC Zen 4, SmolLM2's heads, 4-64 sequences of 100-4,000 keys in
 // random blocks of 16). The segments keep the sums' order (16 keys a horizontal add, two p.v chains over even and odd
 // keys, kept in scratch between segments), so the output is the one-pass kernel's bit for bit.
-// Scratch: scores H x max_ctx, offsets max_ctx, acc (2 D + 1) x H.
+// Scratch: scores H x max_ctx, offsets max_ctx, acc (2 D + 1) x H, qs H x D.
 constexpr int64_t kSegmentBytes = 256 * 1024;
 
 template <typename scalar_t, int V>
 void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                   const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
                   int64_t lo, int64_t n, const Shape& shape, int64_t kv0, int64_t kv1, float* __restrict scores,
-                  int64_t* __restrict offsets, float* __restrict acc) {
+                  int64_t* __restrict offsets, float* __restrict acc, float* __restrict qs) {
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes;
   const int64_t BS = shape.block_size, row = KVH * D, slice = (kv1 - kv0) * D;  // a row's part of KV heads kv0..kv1-1
   for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
@@ -126,29 +127,35 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
     (void)sink;
   };
 
+  // the heads' queries times the scale, once (scratch: qs, H x D)
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
+    for (int v = 0; v < V; ++v) store(qs + h * D + v * kLanes, load(q + h * D + v * kLanes) * shape.scale);
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(k_cache, s0, s1);
-    for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
-      const scalar_t* __restrict keys = k_cache + (h / G) * D;  // the head's KV head within a row
-      vfloat qv[V];
-      for (int v = 0; v < V; ++v) qv[v] = load(q + h * D + v * kLanes) * shape.scale;
-      const auto dot = [&](int64_t j) {
-        const scalar_t* __restrict key = keys + offsets[j];
-        vfloat d = qv[0] * load(key);
-        for (int v = 1; v < V; ++v) d += qv[v] * load(key + v * kLanes);
-        return d;
-      };
-      float* __restrict sh = scores + h * shape.max_ctx;
-      int64_t j = s0;
+    for (int64_t j0 = s0; j0 < s1; j0 += 16) {  // 16 keys at a time, every head in turn: the G heads of a KV head
+      const int64_t m = std::min<int64_t>(16, s1 - j0);  // read its rows from L1, not each from L2
+      for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
+        const scalar_t* __restrict keys = k_cache + (h / G) * D;  // the head's KV head within a row
+        vfloat qv[V];
+        for (int v = 0; v < V; ++v) qv[v] = load(qs + h * D + v * kLanes);
+        const auto dot = [&](int64_t j) {
+          const scalar_t* __restrict key = keys + offsets[j];
+          vfloat d = qv[0] * load(key);
+          for (int v = 1; v < V; ++v) d += qv[v] * load(key + v * kLanes);
+          return d;
+        };
+        float* __restrict sh = scores + h * shape.max_ctx;
 #if defined(__AVX512F__)
-      for (; j + 16 <= s1; j += 16) {
-        vfloat d[16];
-        for (int k = 0; k < 16; ++k) d[k] = dot(j + kTreeOrder[k]);
-        store(sh + j, sum16(d));
-      }
+        if (m == 16) {
+          vfloat d[16];
+          for (int k = 0; k < 16; ++k) d[k] = dot(j0 + kTreeOrder[k]);
+          store(sh + j0, sum16(d));
+          continue;
+        }
 #endif
-      for (; j < s1; ++j) sh[j] = sum(dot(j));
+        for (int64_t j = j0; j < j0 + m; ++j) sh[j] = sum(dot(j));
+      }
     }
   }
 
@@ -159,22 +166,25 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
     stream(v_cache, s0, s1);
-    for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
-      const scalar_t* __restrict values = v_cache + (h / G) * D;
-      const float* __restrict p = scores + h * shape.max_ctx;
-      vfloat a[V], a1[V];
-      for (int v = 0; v < V; ++v) a[v] = load(acc + h * D + v * kLanes), a1[v] = load(acc1 + h * D + v * kLanes);
-      int64_t j = s0;
-      for (; j + 1 < s1; j += 2) {
-        const scalar_t *__restrict v0 = values + offsets[j], *__restrict v1 = values + offsets[j + 1];
-        for (int v = 0; v < V; ++v) {
-          a[v] += p[j] * load(v0 + v * kLanes);
-          a1[v] += p[j + 1] * load(v1 + v * kLanes);
+    for (int64_t j0 = s0; j0 < s1; j0 += 16) {  // as the keys: 16 values at a time, every head in turn
+      const int64_t j1 = std::min<int64_t>(j0 + 16, s1);
+      for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
+        const scalar_t* __restrict values = v_cache + (h / G) * D;
+        const float* __restrict p = scores + h * shape.max_ctx;
+        vfloat a[V], a1[V];
+        for (int v = 0; v < V; ++v) a[v] = load(acc + h * D + v * kLanes), a1[v] = load(acc1 + h * D + v * kLanes);
+        int64_t j = j0;
+        for (; j + 1 < j1; j += 2) {
+          const scalar_t *__restrict v0 = values + offsets[j], *__restrict v1 = values + offsets[j + 1];
+          for (int v = 0; v < V; ++v) {
+            a[v] += p[j] * load(v0 + v * kLanes);
+            a1[v] += p[j + 1] * load(v1 + v * kLanes);
+          }
         }
+        if (j < j1)  // the last key of an odd n
+          for (int v = 0; v < V; ++v) a[v] += p[j] * load(values + offsets[j] + v * kLanes);
+        for (int v = 0; v < V; ++v) store(acc + h * D + v * kLanes, a[v]), store(acc1 + h * D + v * kLanes, a1[v]);
       }
-      if (j < s1)  // the last key of an odd n
-        for (int v = 0; v < V; ++v) a[v] += p[j] * load(values + offsets[j] + v * kLanes);
-      for (int v = 0; v < V; ++v) store(acc + h * D + v * kLanes, a[v]), store(acc1 + h * D + v * kLanes, a1[v]);
     }
   }
   for (int64_t h = kv0 * G; h < kv1 * G; ++h)
@@ -612,10 +622,10 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
     // The decodes in shares, one that is done taking another's last (work_queue.h)
     llm_kernels::parallel_take(singles.size(), [&](llm_kernels::WorkQueue& queue, int64_t thread) {
       // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
-      // attend_token keeps every head's scores, two p.v chains and 1 / its sum
+      // attend_token keeps every head's scores, two p.v chains and 1 / its sum, and its scaled query (in `rows`)
       constexpr bool kFloat = std::is_same_v<cache_t, float>;
       const int64_t H = shape.num_heads, G = H / shape.num_kv_heads, D = shape.head_dim;
-      std::vector<float> scores((kFloat ? H : G) * shape.max_ctx), rows(kFloat ? 0 : 16 * D),
+      std::vector<float> scores((kFloat ? H : G) * shape.max_ctx), rows(kFloat ? H * D : 16 * D),
           acc(kFloat ? (2 * D + 1) * H : G * D);
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t i; (i = queue.take(thread)) >= 0;) {
@@ -628,7 +638,7 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
                                                      kv0, kv1, scores.data(), offsets.data(), rows.data(), acc.data());
         else
           attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape, kv0, kv1,
-                                    scores.data(), offsets.data(), acc.data());
+                                    scores.data(), offsets.data(), acc.data(), rows.data());
       }
     });
   };
