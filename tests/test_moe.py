@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP (backend/engine/models/moe.py): tokens grouped by expert, one GEMM pair per expert that
 has tokens, equal to a reference that runs each token through its chosen experts one by one; on a batch where the
 router sends every token to the same two experts (six get none), and on one where choices spread. Its int8 experts
-stacked into one kernel call per Linear (runners/expert_gemm.py) equal the same experts called one by one, bit for bit.
+stacked into one kernel call per Linear (runners/expert_gemm.py) equal the same experts called one by one, bit for bit;
+the grouping and the weighted sum in one kernel call each (kernels/expert_routing.cpp) equal torch's ops, bit for bit.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import dataclasses
 
 from backend.engine.models.config import ModelConfig
-from backend.engine.models.llama import TorchOps
+from backend.engine.kernels import cpu_kernels
+from backend.engine.models.llama import KernelOps, TorchOps
 from backend.engine.models.moe import MoE
 from backend.engine.runners.expert_gemm import stack_experts
 from backend.engine.runners.gemm import use_tactics
@@ -63,13 +65,13 @@ def test_grouped_experts_equal_each_token_alone(routing):
         assert used.tolist() == [0, 0, 0, 37, 0, 37, 0, 0]
     else:
         assert (used > 0).sum() >= 6
-    got = moe(h, TorchOps.silu_mul)
+    got = moe(h, TorchOps.silu_mul, TorchOps)
     torch.testing.assert_close(got, per_token(moe, h), rtol=1e-4, atol=1e-5)  # the GEMMs sum in other orders
 
 
 def test_no_tokens_no_work():
     moe = random_moe(2)
-    assert moe(torch.empty(0, HIDDEN), TorchOps.silu_mul).shape == (0, HIDDEN)
+    assert moe(torch.empty(0, HIDDEN), TorchOps.silu_mul, TorchOps).shape == (0, HIDDEN)
 
 
 @pytest.mark.parametrize("quantization, tactic", [("int4", "q4_1_w4a8"), ("int8", "q8_0_w8a8")])
@@ -83,10 +85,28 @@ def test_stacked_experts_equal_the_experts_one_by_one(quantization, tactic, rout
     use_tactics(moe, torch.device("cpu"), tactic, quantization)
     h = routed(moe, routing)
     batches = [h[:1], h[:2], h, h[:0]]
-    one_by_one = [moe(x, TorchOps.silu_mul) for x in batches]
+    one_by_one = [moe(x, TorchOps.silu_mul, TorchOps) for x in batches]
     assert stack_experts(moe) == 1 and moe.experts is None
     for x, want in zip(batches, one_by_one):
-        assert torch.equal(moe(x, TorchOps.silu_mul), want)
+        assert torch.equal(moe(x, TorchOps.silu_mul, TorchOps), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["spread", "all_to_two"])
+def test_the_kernels_group_and_sum_as_torch_does(routing, dtype):
+    """KernelOps' group_by_expert and combine_experts (one C++ call each) give torch's rows, order, experts and offsets,
+    and its weighted sum bit for bit (each product and sum rounded to the dtype, in the pairs' order): spread choices,
+    all tokens to two experts, one token, none; the whole layer then the same either way."""
+    cpu_kernels.load()
+    moe = random_moe(5).to(dtype)
+    h = routed(moe, routing).to(dtype)
+    for x in (h, h[:1], h[:0]):
+        weights, experts = moe.route(x)
+        want, got = TorchOps.group_by_expert(x, experts, EXPERTS), KernelOps.group_by_expert(x, experts, EXPERTS)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and list(got[2:]) == list(want[2:])
+        ys = torch.randn(x.shape[0] * TOP_K, HIDDEN, generator=torch.Generator().manual_seed(6)).to(dtype)
+        assert torch.equal(KernelOps.combine_experts(ys, weights, got[1]), TorchOps.combine_experts(ys, weights, got[1]))
+    assert torch.equal(moe(h, TorchOps.silu_mul, KernelOps), moe(h, TorchOps.silu_mul, TorchOps))
 
 
 def test_float_experts_stay_one_by_one():

@@ -5,7 +5,8 @@ tactics (q8_linear.cpp, q8_0_w8a8.cpp, q4_1_w4a8.cpp), and the sampler's argmax 
 the GEMM and the bfloat16 prefill attention where the CPU has AMX-BF16. The GEMMs' and the decode attention's
 threads take their items from shares that a thread done with its own takes from (work_queue.h); the int8 GEMMs
 quantize their activations into memory the calling thread keeps (scratch.h); a mixture-of-experts layer's experts
-run in one int8 GEMM call (expert_groups.h); a K-quant's scales are read as stored (block_scales.h).
+run in one int8 GEMM call (expert_groups.h), its tokens grouped by expert and their outputs summed in one call
+each (expert_routing.cpp); a K-quant's scales are read as stored (block_scales.h).
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them) into one shared library, `<cache>/<cpu>/llm_kernels-<key>.so` under `$LLM_KERNEL_CACHE` or
@@ -43,7 +44,8 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_linear.cpp", HERE / "bf16_amx.cpp",
-           HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp")
+           HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp",
+           HERE / "expert_routing.cpp")
 HEADERS = (HERE / "cpu_math.h", HERE / "amx.h", HERE / "scratch.h", HERE / "work_queue.h", HERE / "expert_groups.h",
            HERE / "block_scales.h")
 REPO_ROOT = HERE.parents[2]

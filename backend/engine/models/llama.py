@@ -38,6 +38,7 @@ from torch import nn
 from backend.engine.kv_quantization import as_stored, dequantize
 from backend.engine.models.config import FULL, SLIDING, ModelConfig, load_model_config, rope_tables
 from backend.engine.models.layers import Linear, RMSNorm
+from backend.engine.models import moe
 from backend.engine.models.moe import CHECKPOINT_NAMES, MoE, split_stacked_experts
 from backend.engine.models.weight_blocks import Weight, shape_of
 
@@ -87,6 +88,9 @@ class TorchOps:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
+    group_by_expert = staticmethod(moe.group_by_expert)
+    combine_experts = staticmethod(moe.combine_experts)
+
 
 class KernelOps:
     """TorchOps on the CPU kernels (backend/engine/kernels/fused_ops.cpp); residual and q/k change in place."""
@@ -109,6 +113,14 @@ class KernelOps:
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.llm_kernels.silu_mul(gate_up)
+
+    @staticmethod
+    def group_by_expert(h: torch.Tensor, experts: torch.Tensor, num_experts: int):
+        return torch.ops.llm_kernels.group_by_expert(h, experts, num_experts)
+
+    @staticmethod
+    def combine_experts(ys: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llm_kernels.combine_experts(ys, weights, order)
 
     gelu_tanh_mul = TorchOps.gelu_tanh_mul
     clamped_swiglu_mul = TorchOps.clamped_swiglu_mul
@@ -220,7 +232,7 @@ class DecoderLayer(nn.Module):
         if self.cfg.activation == "clamped_swiglu":
             gated = functools.partial(gated, alpha=self.cfg.swiglu_alpha, limit=self.cfg.swiglu_limit)
         if self.moe is not None:
-            return self.moe(h, gated)
+            return self.moe(h, gated, ops)
         gate_up, down = projections
         return down(gated(gate_up(h)))
 

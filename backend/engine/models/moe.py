@@ -66,24 +66,37 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), experts
 
-    def forward(self, h: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]; `gated`: the MLP's activation of gate times up, [T, 2 I] -> [T, I]."""
+    def forward(self, h: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor], ops) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; `gated`: the MLP's activation of gate times up, [T, 2 I] -> [T, I]; `ops`
+        (models/llama.py TorchOps, or KernelOps in one call each) group the rows by expert and sum their outputs."""
         weights, experts = self.route(h)
-        chosen = experts.flatten()
-        order = torch.argsort(chosen, stable=True)  # (token, choice) pairs, grouped by expert
-        counts = torch.bincount(chosen, minlength=self.router.shape[0]).tolist()
-        tokens = order // self.top_k
-        rows = h[tokens]  # one gather; each expert's rows are a slice of it
-        used = [e for e, n in enumerate(counts) if n]
-        offsets = [0, *itertools.accumulate(n for n in counts if n)]
+        rows, order, used, offsets = ops.group_by_expert(h, experts, self.router.shape[0])
         if self.stacked is not None:
             gate_up, down = self.stacked
             ys = down(gated(gate_up(rows, used, offsets)), used, offsets)
         else:
             ys = torch.cat([self.experts[e].down_proj.call(gated(self.experts[e].gate_up_proj.call(rows[a:b])))
                             for e, a, b in zip(used, offsets, offsets[1:])]) if used else rows
-        # one weighted add, in the pairs' order: each token's experts in ascending order, as HF's loop adds them
-        return torch.zeros_like(h).index_add_(0, tokens, ys * weights.flatten()[order].unsqueeze(-1))
+        return ops.combine_experts(ys, weights, order)
+
+
+def group_by_expert(h: torch.Tensor, experts: torch.Tensor, num_experts: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """h [T, hidden], experts [T, k] -> (each (token, choice) pair's row of h, grouped by expert: one gather, each
+    expert's rows a slice of it; the pairs' order, t k + choice of each; the experts with pairs, ascending; their
+    first rows and the end)."""
+    chosen = experts.flatten()
+    order = torch.argsort(chosen, stable=True)
+    counts = torch.bincount(chosen, minlength=num_experts).tolist()
+    used = [e for e, n in enumerate(counts) if n]
+    return h[order // experts.shape[1]], order, used, [0, *itertools.accumulate(n for n in counts if n)]
+
+
+def combine_experts(ys: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The grouped pairs' outputs ys times their weights [T, k], added into their tokens' rows in the pairs' order: each
+    token's experts in ascending order, as HF's loop over the experts adds them."""
+    out = torch.zeros(weights.shape[0], ys.shape[1], dtype=ys.dtype, device=ys.device)
+    return out.index_add_(0, order // weights.shape[1], ys * weights.flatten()[order].unsqueeze(-1))
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
