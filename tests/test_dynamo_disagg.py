@@ -131,7 +131,9 @@ def test_the_conditional_rule_prefills_on_the_decode_worker_while_the_prefill_wo
             time.sleep(0.01)
         other = f"Another prompt, new to both workers: {PROMPT}"
         text = c.complete(other)
-        assert (c.count("remote"), c.count("local")) == (1, 1)  # this one local, while the long one is prefilled
+        # this one local, while the long one is prefilled; the long one counts as remote once its prefill is done,
+        # which a fast CPU reaches before this one's 8 tokens are out (Zen 5: remote 2 here)
+        assert c.count("local") == 1 and c.count("remote") in (1, 2)
         assert text == tokenizer.decode(hf_greedy(tiny_model_dir, [tokenizer(other)["input_ids"]], [8])[0])
         long.join(120)
         assert len(results) == 1 and (c.count("remote"), c.count("local")) == (2, 1)
