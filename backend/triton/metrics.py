@@ -19,6 +19,21 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
+class Gauge:
+    """A gauge that sends a value only when it differs from the last one sent: each update is a round trip to the
+    server process, and the ten gauges a step sets rarely change at a step (one stream's decode: the KV blocks
+    every 16 tokens); sent every step, their round trips ran beside the next step's forward and took its CPUs
+    (SmolLM2 at one stream, Zen 5: the step 4.3 ms offline, 4.9-6.3 ms served)."""
+
+    def __init__(self, metric):
+        self._metric, self._value = metric, None
+
+    def set(self, value: float) -> None:
+        if value != self._value:
+            self._metric.set(value)
+            self._value = value
+
+
 class TritonMetrics(LoopObserver):
     def __init__(self, pb_utils, labels: dict[str, str]):
         fam = pb_utils.MetricFamily
@@ -30,7 +45,8 @@ class TritonMetrics(LoopObserver):
                 family = fam(name=name, description=doc, kind=kind)
                 self._families.append((name, family))
             kwargs = {"buckets": buckets} if buckets is not None else {}
-            return family.Metric(labels={**labels, **(extra or {})}, **kwargs)
+            made = family.Metric(labels={**labels, **(extra or {})}, **kwargs)
+            return Gauge(made) if kind == fam.GAUGE else made
 
         self.running = metric("llm_num_requests_running", "Sequences in the running batch", fam.GAUGE)
         self.waiting = metric("llm_num_requests_waiting", "Sequences waiting for admission", fam.GAUGE)
