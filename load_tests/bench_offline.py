@@ -270,10 +270,12 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
     engine = LLMEngine(engine_config_from_settings({**params, **(settings or {})}))
     counter = iter(range(sys.maxsize))
     first_token_s: list[float] = []
+    token_gaps_s: list[float] = []  # between a request's consecutive outputs, of the last generate call
 
     def generate(batch: list[Request], progress: Progress) -> Outputs:
         outputs: Outputs = [[] for _ in batch]
-        waiting, ids, submitted = list(range(len(batch)))[::-1], {}, {}
+        waiting, ids, submitted, last_output = list(range(len(batch)))[::-1], {}, {}, {}
+        token_gaps_s.clear()
 
         def submit() -> None:
             i = waiting.pop()
@@ -285,9 +287,13 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
             submit()
         while engine.has_unfinished():
             for out in engine.step():
-                i = ids[out.request_id]
-                if out.new_token_ids and not outputs[i]:
-                    first_token_s.append(time.perf_counter() - submitted[i])
+                i, now = ids[out.request_id], time.perf_counter()
+                if out.new_token_ids:
+                    if outputs[i]:
+                        token_gaps_s.append(now - last_output[i])
+                    else:
+                        first_token_s.append(now - submitted[i])
+                    last_output[i] = now
                 outputs[i].extend(out.new_token_ids)
                 if out.finished:
                     progress.update()
@@ -302,6 +308,8 @@ def run_engine(model_dir: Path, dtype: str, requests: list[Request], rss_check: 
     result = measure(system, dtype, generate, requests,
                      extra={"runtime": runtime, "quantization": engine.config.quantization})
     result.extra["ttft_ms_median"] = round(1000 * statistics.median(first_token_s[-len(requests):]), 1)
+    if token_gaps_s:
+        result.extra["itl_ms_median"] = round(1000 * statistics.median(token_gaps_s), 2)
     if rss_check is not None:
         # RSS after each tenth of the requests: allocator warm-up levels off, a leak keeps climbing
         more = load_workload(rss_check)

@@ -32,7 +32,7 @@ class StreamRecord:
     start: float  # when the request was sent
     end: float  # when the final response arrived
     output_tokens: int
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each response that carried text
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each response that carried text (gRPC: tokens)
 
     @property
     def ttft(self) -> float:
@@ -69,9 +69,9 @@ def grpc_stream(client: LLMClient, prompt: str, max_tokens: int, chat: bool = Fa
         for chunk in client.stream(prompt, timeout=timeout, max_tokens=max_tokens, stream=True,
                                    ignore_eos=ignore_eos, apply_chat_template=chat or None,
                                    return_num_output_tokens=True):
-            if chunk.text:
-                times.append(chunk.time)
             if (count := chunk.outputs.get("num_output_tokens")) is not None:
+                if int(count.reshape(-1)[0]) > tokens:  # tokens, with or without text (a random model's often
+                    times.append(chunk.time)  # have none: ids past its tokenizer's vocabulary)
                 tokens = int(count.reshape(-1)[0])
             if chunk.final:
                 end = chunk.time
