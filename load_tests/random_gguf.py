@@ -9,6 +9,7 @@ weights: speed only, no quality; a router of random weights spreads tokens over 
 
     python -m load_tests.random_gguf --shape qwen3-moe-2.8b-a0.5b [--ftype Q4_K_M]   # prints the folder
     python -m load_tests.random_gguf --shape gpt-oss-1.6b-a0.4b --ftype MXFP4_MOE
+    python -m load_tests.random_gguf --shape llama-3.2-1b --ftype hf   # the bfloat16 HF folder, kept (vLLM's input)
 """
 
 from __future__ import annotations
@@ -97,12 +98,35 @@ SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b":
                                "gpt-oss-1.6b-a0.4b": _gpt_oss, "llama-3.2-1b": _llama_3_2_1b, "qwen3-4b": _qwen3_4b}
 
 
-def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
+def save_random_hf(shape: str, folder: Path, seed: int = 0) -> Path:
+    """The shape's seeded random bfloat16 weights as an HF folder (safetensors, config, SmolLM2's tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from backend.serving.model_store import prepare_default_model
 
+    print(f"random {shape}: bfloat16 weights (seed {seed}) -> {folder}", flush=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.bfloat16)
+    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    del model
+    tokenizer = prepare_default_model(verbose=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if (tokenizer / name).is_file():
+            shutil.copy2(tokenizer / name, tmp / name)
+    tmp.rename(folder)
+    return folder
+
+
+def random_hf(shape: str, seed: int = 0) -> Path:
+    """The shape in bfloat16 as an HF folder, kept (what vLLM and our bfloat16 path load), built once."""
+    folder = MODELS_DIR / f"random-{shape}-bf16"
+    return folder if (folder / "config.json").is_file() else save_random_hf(shape, folder, seed)
+
+
+def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
     folder = MODELS_DIR / f"random-{shape}-{ftype}"
     out = folder / f"{shape}.{ftype}.gguf"
     if out.is_file():
@@ -111,17 +135,7 @@ def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
                       (CONVERTER_LIBS, "load_tests/llama_cpp_env.sh (its converter packages)")):
         if not need.exists():
             raise SystemExit(f"{need} is missing: run {how} first")
-    hf = folder / "hf"
-    print(f"random {shape}: bfloat16 weights (seed {seed}) -> {hf}", flush=True)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.bfloat16)
-    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
-    model.save_pretrained(hf)
-    del model
-    tokenizer = prepare_default_model(verbose=False)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
-        if (tokenizer / name).is_file():
-            shutil.copy2(tokenizer / name, hf / name)
+    hf = save_random_hf(shape, folder / "hf", seed)
     bf16 = folder / f"{shape}.bf16.gguf"
     print(f"  llama.cpp's converter -> {bf16.name}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(CONVERTER_LIBS), os.environ.get("PYTHONPATH"))))}
@@ -144,9 +158,10 @@ def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(SHAPES), required=True)
-    p.add_argument("--ftype", default="Q4_K_M", help="llama.cpp's LLAMA_FTYPE_MOSTLY_<FTYPE> (Q4_K_M, Q8_0, ...)")
+    p.add_argument("--ftype", default="Q4_K_M", help="llama.cpp's LLAMA_FTYPE_MOSTLY_<FTYPE> (Q4_K_M, Q8_0, ...), or "
+                   "hf: the bfloat16 HF folder itself, kept")
     args = p.parse_args()
-    print(random_gguf(args.shape, args.ftype))
+    print(random_hf(args.shape) if args.ftype == "hf" else random_gguf(args.shape, args.ftype))
 
 
 if __name__ == "__main__":
