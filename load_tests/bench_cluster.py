@@ -24,11 +24,11 @@ from pathlib import Path
 from openai import OpenAI
 
 from backend.dynamo import launcher
+from load_tests.bench_offline import DYNAMO_PYTHON
 from load_tests.bench_online import arrival_offsets, percentiles
 from load_tests.machine import cpu_summary
 
 REPO = Path(__file__).resolve().parents[1]
-DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
 WORDS = ("system service request model token cache memory worker router latency answer question policy user "
          "data table engine batch prefill decode stream block queue network server client metric value").split()
 MODEL = "bench"

@@ -59,6 +59,7 @@ MODELS_DIR = REPO / ".cache" / "models"
 RANDOM56M = "random56m"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 LLAMACPP_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
+DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"  # `make dynamo-venv`
 DTYPES = ("float32", "bfloat16")
 QUANTIZED = ("int8", "int4", "gguf")
 ONNX_QUANTIZED = ("int8", "int4")

@@ -10,6 +10,8 @@ Systems, one at a time (each alone on the CPU):
           requests that have arrived (load_tests/static_batcher.py); same client, same streaming path
   vllm    (--vllm) vLLM's OpenAI server from .venv-vllm (load_tests/vllm_env.sh), /v1/completions with
           stream: true
+  dynamo  our engine as one Dynamo worker behind Dynamo's OpenAI frontend (.venv-dynamo, `make dynamo-venv`; its KV
+          router, as `make serve-dynamo` runs it): no Triton in the path; /v1/completions with stream: true
 
 Workload: load_tests.workload's seeded random prompts, decoded to text (every system tokenizes that same text
 with the same tokenizer), greedy, EOS ignored, each request with its own max_tokens. Each run (rate) has its
@@ -40,6 +42,7 @@ On a shared machine the numbers are indicative: each run records the load averag
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -63,13 +66,14 @@ from typing import Generic, TypeVar
 import numpy as np
 import requests
 
+from backend.dynamo import launcher
 from backend.serving.openmp_env import openmp_env
 from backend.triton.launcher import TritonServer, free_ports
 from backend.triton.repository import configure_repository
 from backend.serving.tokenizer import encode, load_tokenizer
 from client.client import LLMClient
-from load_tests.bench_offline import (VLLM_PYTHON, lower_median, resolve_model, run_system, system_settings,
-                                      wait_for_idle)
+from load_tests.bench_offline import (DYNAMO_PYTHON, VLLM_PYTHON, lower_median, resolve_model, run_system,
+                                      system_settings, wait_for_idle)
 from load_tests.server_stats import find_tritonserver, tree_cpu_seconds
 from load_tests.streams import StreamError, StreamRecord, grpc_stream, openai_sse_stream, triton_sse_stream
 from load_tests.vllm_offline_runner import MAX_MODEL_LEN, cpu_env
@@ -78,7 +82,8 @@ from load_tests.workload import Request, make_workload, model_vocab, save_worklo
 
 HERE = Path(__file__).resolve().parent
 SERVED = ["preprocessing", "llm", "postprocessing", "ensemble", "llm_bls"]
-SYSTEMS = ("ours", "static", "vllm")
+SYSTEMS = ("ours", "dynamo", "static", "vllm")
+ENGINE_DOORS = ("ours", "dynamo")  # our engine behind Triton, behind Dynamo's frontend: held to the offline engine
 TTFT_SLO_S = 2.0  # "sustainable": TTFT p99 at or under this, and no failures
 TARGET_OVERHEAD = 0.9  # served tok/s at saturation over offline engine tok/s (the engine-speed goal)
 TARGET_SPEEDUP = 5.0  # sustainable rate over the static baseline's
@@ -318,6 +323,29 @@ def vllm_system(model_dir: Path, dtype: str, threads: int, timeout: float, log_p
         log.close()
 
 
+@contextmanager
+def dynamo_system(model_dir: Path, settings: dict[str, str], threads: int, timeout: float, log_dir: Path
+                  ) -> Iterator[System]:
+    """Dynamo's frontend and one worker of our engine (`settings`: its engine settings) on a free local port."""
+    if not DYNAMO_PYTHON.exists():
+        raise FileNotFoundError(f"{DYNAMO_PYTHON} missing: run `make dynamo-venv` first")
+    # the frontend's port and the worker's metrics on the next: below 32768 (Dynamo reads DYN_SYSTEM_PORT as an i16)
+    port = next(p for p in range(18080, 32766, 2) if not any(launcher.port_in_use("127.0.0.1", q) for q in (p, p + 1)))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    worker_args = tuple(a for key, value in settings.items() for a in (f"--{key.replace('_', '-')}", value))
+    cluster = launcher.start(workers=1, http_port=port, model=str(model_dir), served_model_name="bench",
+                             worker_args=worker_args, log_dir=log_dir, threads_per_worker=threads,
+                             python=str(DYNAMO_PYTHON))
+    pool = ConnectionPool(requests.Session, lambda session, item, seconds: openai_sse_stream(
+        session, cluster.url, "bench", item.text, item.max_tokens, timeout=seconds))
+    try:
+        yield System(lambda item: pool.send(item, timeout),
+                     lambda: sum(tree_cpu_seconds(p.pid) for p in (cluster.frontend, *cluster.workers)))
+    finally:
+        pool.close()
+        cluster.stop()
+
+
 def run_system_rates(name: str, system: System, warmup: list[Item], workloads: dict[float, list[Item]],
                      max_seconds: float, seed: int, round_: int = 0) -> list[RateResult]:
     """Warm up, then each rate, then the burst; a progress line per run."""
@@ -350,7 +378,7 @@ def sustainable_rate(results: list[RateResult], system: str) -> float | None:
 
 
 def offline_system(system: str) -> str:
-    """The bench_offline system an `ours@...` system's serving overhead is measured against."""
+    """The bench_offline system an `ours@...` (or `dynamo@...`) system's serving overhead is measured against."""
     quantization = system_settings(system).get("quantization", "none")
     return "engine" if quantization == "none" else f"engine_{quantization}"
 
@@ -364,7 +392,7 @@ def round_ratios(results: list[RateResult], offline: list[dict[str, Offline]]) -
         for name, tok_s in bursts.items():
             if name != "vllm" and bursts.get("vllm"):
                 out.setdefault(f"{name} over vllm", []).append(round(tok_s / bursts["vllm"], 3))
-            if name.partition("@")[0] == "ours" and (own := own_offline.get(offline_system(name))):
+            if name.partition("@")[0] in ENGINE_DOORS and (own := own_offline.get(offline_system(name))):
                 out.setdefault(f"{name} served over offline", []).append(round(tok_s / own.tok_s, 3))
     return out
 
@@ -393,9 +421,9 @@ def summary(results: list[RateResult], systems: list[str], rates: list[float],
                                      for s, r in bursts.items()},
                  "offline_engine": asdict(offline["engine"]) if "engine" in offline else None,
                  **{f"offline_{k}": asdict(v) for k, v in offline.items() if k != "engine"}}
-    for name, burst in bursts.items():  # ours, and ours@settings: served_over_offline@settings
-        if name.partition("@")[0] == "ours" and (own := offline.get(offline_system(name))):
-            variant = name[len("ours"):]
+    for name, burst in bursts.items():  # ours, ours@settings (served_over_offline@settings), dynamo
+        if name.partition("@")[0] in ENGINE_DOORS and (own := offline.get(offline_system(name))):
+            variant = name.removeprefix("ours") if name.startswith("ours") else f"@{name}"  # ..._offline@dynamo
             out[f"served_over_offline{variant}"] = round(burst.output_tok_s / own.tok_s, 3)
             out[f"served_over_offline_per_cpu_s{variant}"] = round(burst.tok_per_cpu_s / own.tok_per_cpu_s, 3)
     if "ours" in sustainable and "static" in sustainable:
@@ -605,9 +633,14 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 print(f"[{system}]", file=sys.stderr, flush=True)
                 wait_for_idle(args.wait_idle)
-                start = systems[system] if system in systems else lambda: triton_system(
-                    ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint,
-                    args.request_timeout, args.protocol)
+                if system.partition("@")[0] == "dynamo":
+                    start = functools.partial(dynamo_system, model_dir, {"quantization": "none",
+                                                                         **system_settings(system)},
+                                              args.threads, args.request_timeout, args.out / f"{system}-logs")
+                else:
+                    start = systems[system] if system in systems else lambda: triton_system(
+                        ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint,
+                        args.request_timeout, args.protocol)
                 try:
                     with start() as served:
                         results += run_system_rates(system, served, warmup, workloads, args.max_seconds,
@@ -617,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"  {system} failed: {err}", file=sys.stderr)
             offline.append({})
             for system in [] if args.no_offline else dict.fromkeys(offline_system(s) for s in args.systems
-                                                                   if s.partition("@")[0] == "ours"):
+                                                                   if s.partition("@")[0] in ENGINE_DOORS):
                 print(f"[offline {system}]", file=sys.stderr, flush=True)
                 if result := offline_engine(model_dir, args.dtype, args.threads, items, tmp, system):
                     offline[k][system] = result

@@ -49,3 +49,20 @@ def test_http_protocol_streams_from_tritons_generate_stream(tiny_model_dir, tmp_
     assert all(r["output_tokens"] == report["info"]["output_tokens"] for r in runs if r["rate"] == "burst")
     assert "ours streamed over http" in (out / "online.md").read_text()
     assert streams == ["llm"] * (2 + 3 + 3)  # the warm-up's, the rate's and the burst's requests, all over generate_stream
+
+
+def test_the_dynamo_door_is_served_and_held_to_the_offline_engine(tiny_model_dir, tmp_path):
+    """`dynamo`: Dynamo's frontend and one worker of our engine (.venv-dynamo), streamed over its OpenAI API."""
+    out = tmp_path / "online"
+    bench_online.main(["--model", str(tiny_model_dir), "--systems", "dynamo", "--rates", "4", "--num-requests", "3",
+                       "--threads", "1", "--out", str(out)])
+    report = json.loads((out / "online.json").read_text())
+    assert report["errors"] == {}
+    runs = report["results"]
+    assert [(r["system"], r["rate"]) for r in runs] == [("dynamo", "4"), ("dynamo", "burst")]
+    assert all(not r["failures"] and r["completed"] == r["sent"] == 3 and r["server_cpu_s"] > 0 for r in runs)
+    burst = runs[-1]
+    assert burst["output_tokens"] == report["info"]["output_tokens"]
+    assert report["summary"]["served_over_offline@dynamo"] == round(
+        burst["output_tok_s"] / report["offline_rounds"][0]["engine"]["tok_s"], 3)
+    assert (out / "dynamo-logs" / "worker0.log").is_file()
