@@ -1,8 +1,8 @@
 """Speed at the sizes CPU users run (1-8B): our engine and llama.cpp on the same GGUF files, against the machine's own
 limits measured in the same run.
 
-Models: random weights of Llama-3.2-1B's and Qwen3-4B's shapes (transformers' config classes), converted and
-quantized by llama.cpp's own tools (load_tests/random_gguf.py: Q4_K_M, Q8_0), so both systems read one file; ours
+Models: random weights of Llama-3.2-1B's and Qwen3-4B's shapes (and Llama-3-8B's; transformers' config classes),
+converted and quantized by llama.cpp's own tools (load_tests/random_gguf.py: Q4_K_M, Q8_0), so both systems read one file; ours
 serves it as stored (`quantization: gguf`). For each batch B and prompt length P: B prompts of P random tokens
 prefilled (tok/s), then 32 decode steps of the B sequences (ms a step), timed apart; llama.cpp the same way
 (load_tests/llamacpp_scale_runner.py).
@@ -19,8 +19,9 @@ The limits, measured here in the same run:
     python -m load_tests.bench_scale [--shapes llama-3.2-1b,qwen3-4b] [--ftypes Q4_K_M,Q8_0] [--batches 1,4,16]
         [--prompts 128,1024] [--steps 32] [--no-llamacpp] [--out results/scale.json]
 
-bash load_tests/llama_cpp_env.sh first (llama.cpp, its converter and quantizer). Llama-3-8B's shape (16 GB in
-bfloat16 before quantizing) needs more than this 24 GiB machine's memory to convert; it is not among the shapes.
+bash load_tests/llama_cpp_env.sh first (llama.cpp, its converter and quantizer). `--shapes llama-3-8b`: Llama-3-8B's
+shape, written a module at a time (~2 GiB of memory), but its 16 GB of bfloat16 safetensors and the converter's 16 GB
+BF16 file are on disk at once (~33 GB free needed while it is made, once).
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     files = sorted({r["file"] for r in results})
-    fig, axes = plt.subplots(2, len(files), figsize=(4.5 * len(files), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(files), figsize=(max(4.5 * len(files), 8), 7), squeeze=False)
     for col, file in enumerate(files):
         for system, style in (("engine", "o-"), ("llamacpp", "s--")):
             for prompt_len in sorted({r["prompt_len"] for r in results}):

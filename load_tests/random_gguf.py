@@ -94,24 +94,69 @@ def _qwen3_4b():  # Qwen3-4B's config
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def _llama_3_8b():  # Llama-3-8B's config
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
 SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b": _qwen3_1_7b,
-                               "gpt-oss-1.6b-a0.4b": _gpt_oss, "llama-3.2-1b": _llama_3_2_1b, "qwen3-4b": _qwen3_4b}
+                               "gpt-oss-1.6b-a0.4b": _gpt_oss, "llama-3.2-1b": _llama_3_2_1b, "qwen3-4b": _qwen3_4b,
+                               "llama-3-8b": _llama_3_8b}
 
 
-def save_random_hf(shape: str, folder: Path, seed: int = 0) -> Path:
-    """The shape's seeded random bfloat16 weights as an HF folder (safetensors, config, SmolLM2's tokenizer)."""
+def save_random_hf(config, folder: Path, seed: int = 0, shard_bytes: int = 1 << 30) -> Path:
+    """A transformers config's seeded random bfloat16 weights as an HF folder (safetensors, config, SmolLM2's tokenizer). The model
+    is built on the meta device and its modules are given memory one at a time, initialised by the model class's own
+    `_init_weights` (as transformers initialises a new model) and written in shards of about `shard_bytes` as they
+    fill: an 8B shape takes ~2 GiB of memory here, not its 16 GB."""
+    import json
+
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from backend.serving.model_store import prepare_default_model
 
-    print(f"random {shape}: bfloat16 weights (seed {seed}) -> {folder}", flush=True)
+    print(f"random {config.model_type}: bfloat16 weights (seed {seed}) -> {folder}", flush=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(SHAPES[shape](), dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    todo = {id(p): n for n, p in model.named_parameters()}  # each tensor once (a tied lm_head is the embedding's)
     print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
     tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    del model
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, tmp / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    with torch.no_grad():
+        for module in model.modules():
+            own = {attr: todo.pop(id(p)) for attr, p in module.named_parameters(recurse=False) if id(p) in todo}
+            if not own:
+                continue
+            module.to_empty(device="cpu", recurse=False)
+            model._init_weights(module)
+            shard.update({name: getattr(module, attr).data for attr, name in own.items()})
+            module.to_empty(device="meta", recurse=False)  # the shard holds the values until it is written
+            if sum(t.nbytes for t in shard.values()) >= shard_bytes:
+                flush()
+    if shard:
+        flush()
+    total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    model.config.architectures = [type(model).__name__]  # as save_pretrained writes it (llama.cpp's converter reads it)
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
     tokenizer = prepare_default_model(verbose=False)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
         if (tokenizer / name).is_file():
@@ -123,7 +168,7 @@ def save_random_hf(shape: str, folder: Path, seed: int = 0) -> Path:
 def random_hf(shape: str, seed: int = 0) -> Path:
     """The shape in bfloat16 as an HF folder, kept (what vLLM and our bfloat16 path load), built once."""
     folder = MODELS_DIR / f"random-{shape}-bf16"
-    return folder if (folder / "config.json").is_file() else save_random_hf(shape, folder, seed)
+    return folder if (folder / "config.json").is_file() else save_random_hf(SHAPES[shape](), folder, seed)
 
 
 def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
@@ -135,22 +180,23 @@ def random_gguf(shape: str, ftype: str = "Q4_K_M", seed: int = 0) -> Path:
                       (CONVERTER_LIBS, "load_tests/llama_cpp_env.sh (its converter packages)")):
         if not need.exists():
             raise SystemExit(f"{need} is missing: run {how} first")
-    hf = save_random_hf(shape, folder / "hf", seed)
+    shutil.rmtree(folder / "hf", ignore_errors=True)  # an interrupted run's
+    hf = save_random_hf(SHAPES[shape](), folder / "hf", seed)
     bf16 = folder / f"{shape}.bf16.gguf"
     print(f"  llama.cpp's converter -> {bf16.name}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(CONVERTER_LIBS), os.environ.get("PYTHONPATH"))))}
     subprocess.run([sys.executable, "-c", CONVERT, str(CONVERTER), str(hf), "--outtype", "bf16", "--outfile", str(bf16)], env=env,
                    check=True, stdout=subprocess.DEVNULL)
-    print(f"  llama.cpp's quantizer -> {out.name}", flush=True)
-    tmp = out.with_suffix(".tmp")
-    subprocess.run([str(LLAMACPP_PYTHON), "-c", QUANTIZE, str(bf16), str(tmp), ftype], check=True)
-    tmp.replace(out)
-    for f in hf.iterdir():  # the folder keeps the config and tokenizer, not the float weights
-        if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+    for f in hf.iterdir():  # the folder keeps the config and tokenizer, not the float weights (gone before quantizing:
+        if f.suffix == ".safetensors" or f.name.endswith(".index.json"):  # an 8B's 16 GB twice would not fit the disk)
             f.unlink()
         else:
             f.rename(folder / f.name)
     hf.rmdir()
+    print(f"  llama.cpp's quantizer -> {out.name}", flush=True)
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([str(LLAMACPP_PYTHON), "-c", QUANTIZE, str(bf16), str(tmp), ftype], check=True)
+    tmp.replace(out)
     bf16.unlink()
     return folder
 
