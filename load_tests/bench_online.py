@@ -3,7 +3,7 @@ too, and optionally vLLM's OpenAI server, on one model and one workload.
 
 Systems, one at a time (each alone on the CPU):
   ours    tritonserver on model_repository (--endpoint llm, the default: text in one hop; llm_bls or the ensemble),
-          default settings; its clients stream over tritonclient gRPC (--protocol grpc, the default) or Triton's
+          default settings but --dtype (as every system's); its clients stream over tritonclient gRPC (--protocol grpc, the default) or Triton's
           HTTP generate_stream (--protocol http: server-sent events, as vLLM's clients are; tritonclient's Python
           gRPC stream took ~4x the client CPU per token, 0.08-0.09 of a CPU at saturation against 0.02)
   static  tritonserver serving load_tests/static_hf: HF `generate` on batches of up to 8 formed from the
@@ -617,8 +617,6 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         systems = {
-            "ours": lambda: triton_system(ours_repository(tmp, model_dir), args.endpoint, args.request_timeout,
-                                          args.protocol),
             "static": lambda: triton_system(static_repository(tmp, model_dir, args.dtype), "static_hf",
                                             args.request_timeout),
             "vllm": lambda: vllm_system(model_dir, args.dtype, args.threads, args.request_timeout,
@@ -633,13 +631,13 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 print(f"[{system}]", file=sys.stderr, flush=True)
                 wait_for_idle(args.wait_idle)
+                engine_settings = {"dtype": args.dtype, **system_settings(system)}  # ours, dynamo: as offline's
                 if system.partition("@")[0] == "dynamo":
-                    start = functools.partial(dynamo_system, model_dir, {"quantization": "none",
-                                                                         **system_settings(system)},
+                    start = functools.partial(dynamo_system, model_dir, {"quantization": "none", **engine_settings},
                                               args.threads, args.request_timeout, args.out / f"{system}-logs")
                 else:
-                    start = systems[system] if system in systems else lambda: triton_system(
-                        ours_repository(tmp / system, model_dir, system_settings(system)), args.endpoint,
+                    start = systems[system] if system in systems else functools.partial(
+                        triton_system, ours_repository(tmp / system, model_dir, engine_settings), args.endpoint,
                         args.request_timeout, args.protocol)
                 try:
                     with start() as served:
