@@ -3,8 +3,8 @@ single user sees, where bench_online's burst measures it at saturation).
 
 Each round runs, one after the other and alone on the CPU:
   served   tritonserver on model_repository's `llm` (its shipped settings, `--quantization` as given), one
-           tritonclient gRPC stream at a time, greedy, EOS ignored: the gaps between consecutive text responses
-           as the client receives them
+           tritonclient gRPC stream at a time, greedy, EOS ignored: the gaps between consecutive responses that add
+           tokens, as the client receives them
   offline  bench_offline's engine run (LLMEngine in a fresh process, the same settings, one stream:
            BENCH_STREAMS=1) on the same prompt ids: the gaps between a request's consecutive outputs of `step()`
 and prints served/offline of the two medians. The rounds alternate (served, offline, served, ...): on a VM whose
@@ -38,7 +38,7 @@ from load_tests.workload import Request, save_workload
 
 
 def served_gaps(repo: Path, items: list[Item], timeout: float) -> list[float]:
-    """The client-side gaps between text responses, one request at a time, after one untimed request."""
+    """The client-side gaps between responses that add tokens, one request at a time, after one untimed one."""
     gaps: list[float] = []
     with triton_system(repo, "llm", timeout) as served:
         served.send(dataclasses.replace(items[0], max_tokens=8))

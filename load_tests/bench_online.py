@@ -3,9 +3,10 @@ too, and optionally vLLM's OpenAI server, on one model and one workload.
 
 Systems, one at a time (each alone on the CPU):
   ours    tritonserver on model_repository (--endpoint llm, the default: text in one hop; llm_bls or the ensemble),
-          default settings but --dtype (as every system's); its clients stream over tritonclient gRPC (--protocol grpc, the default) or Triton's
-          HTTP generate_stream (--protocol http: server-sent events, as vLLM's clients are; tritonclient's Python
-          gRPC stream took ~4x the client CPU per token, 0.08-0.09 of a CPU at saturation against 0.02)
+          default settings but --dtype (as every system's); its clients stream over tritonclient gRPC (--protocol
+          grpc, the default) or Triton's HTTP generate_stream (--protocol http: server-sent events, as vLLM's
+          clients are; tritonclient's Python gRPC stream took ~4x the client CPU per token, 0.08-0.09 of a CPU at
+          saturation against 0.02)
   static  tritonserver serving load_tests/static_hf: HF `generate` on batches of up to 8 formed from the
           requests that have arrived (load_tests/static_batcher.py); same client, same streaming path
   vllm    (--vllm) vLLM's OpenAI server from .venv-vllm (load_tests/vllm_env.sh), /v1/completions with

@@ -2,9 +2,9 @@
 limits measured in the same run.
 
 Models: random weights of Llama-3.2-1B's and Qwen3-4B's shapes (and Llama-3-8B's; transformers' config classes),
-converted and quantized by llama.cpp's own tools (load_tests/random_gguf.py: Q4_K_M, Q8_0), so both systems read one file; ours
-serves it as stored (`quantization: gguf`). For each batch B and prompt length P: B prompts of P random tokens
-prefilled (tok/s), then 32 decode steps of the B sequences (ms a step), timed apart; llama.cpp the same way
+converted and quantized by llama.cpp's own tools (load_tests/random_gguf.py: Q4_K_M, Q8_0), so both systems read one
+file; ours serves it as stored (`quantization: gguf`). For each batch B and prompt length P: B prompts of P random
+tokens prefilled (tok/s), then 32 decode steps of the B sequences (ms a step), timed apart; llama.cpp the same way
 (load_tests/llamacpp_scale_runner.py).
 
 The limits, measured here in the same run:

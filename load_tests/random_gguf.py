@@ -108,10 +108,10 @@ SHAPES: dict[str, Callable] = {"qwen3-moe-2.8b-a0.5b": _qwen3_moe, "qwen3-1.7b":
 
 
 def save_random_hf(config, folder: Path, seed: int = 0, shard_bytes: int = 1 << 30) -> Path:
-    """A transformers config's seeded random bfloat16 weights as an HF folder (safetensors, config, SmolLM2's tokenizer). The model
-    is built on the meta device and its modules are given memory one at a time, initialised by the model class's own
-    `_init_weights` (as transformers initialises a new model) and written in shards of about `shard_bytes` as they
-    fill: an 8B shape takes ~2 GiB of memory here, not its 16 GB."""
+    """A transformers config's seeded random bfloat16 weights as an HF folder (safetensors, config, SmolLM2's
+    tokenizer). The model is built on the meta device and its modules are given memory one at a time, initialised by
+    the model class's own `_init_weights` (as transformers initialises a new model) and written in shards of about
+    `shard_bytes` as they fill: an 8B shape takes ~2 GiB of memory here, not its 16 GB."""
     import json
 
     import torch
@@ -151,7 +151,7 @@ def save_random_hf(config, folder: Path, seed: int = 0, shard_bytes: int = 1 << 
                 flush()
     if shard:
         flush()
-    total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # the tensors' bytes, as save_pretrained's
     (tmp / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     model.config.architectures = [type(model).__name__]  # as save_pretrained writes it (llama.cpp's converter reads it)

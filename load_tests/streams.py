@@ -40,8 +40,9 @@ class StreamRecord:
 
     @property
     def itls(self) -> list[float]:
-        """Gaps between consecutive text chunks (one chunk is one engine step, so one token, except when
-        the detokenizer holds back an incomplete UTF-8 character for a step)."""
+        """Gaps between consecutive chunks: over gRPC the responses that add tokens (one an engine step, so one
+        token), over SSE those that carry text (one a step too, except when the detokenizer holds back an incomplete
+        UTF-8 character for a step)."""
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
     @property

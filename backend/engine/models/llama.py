@@ -38,8 +38,7 @@ from torch import nn
 from backend.engine.kv_quantization import as_stored, dequantize
 from backend.engine.models.config import FULL, SLIDING, ModelConfig, load_model_config, rope_tables
 from backend.engine.models.layers import Linear, RMSNorm
-from backend.engine.models import moe
-from backend.engine.models.moe import CHECKPOINT_NAMES, MoE, split_stacked_experts
+from backend.engine.models.moe import CHECKPOINT_NAMES, MoE, combine_experts, group_by_expert, split_stacked_experts
 from backend.engine.models.weight_blocks import Weight, shape_of
 
 class TorchOps:
@@ -88,8 +87,8 @@ class TorchOps:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    group_by_expert = staticmethod(moe.group_by_expert)
-    combine_experts = staticmethod(moe.combine_experts)
+    group_by_expert = staticmethod(group_by_expert)
+    combine_experts = staticmethod(combine_experts)
 
 
 class KernelOps:
