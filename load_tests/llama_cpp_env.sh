@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds .venv-llamacpp: llama-cpp-python (llama.cpp compiled from source for this CPU: -march=native, its
 # AVX2 / AVX-512 paths as the CPU has them) in its own venv, for `bench_offline --llamacpp` only.
+# LLAMACPP_MARCH (e.g. x86-64-v3: AVX2 and FMA) builds for that CPU level instead, into $LLAMACPP_VENV: the llama.cpp
+# an AVX2-only CPU (AMD Zen 3) runs, beside our LLM_KERNEL_MARCH build, on a machine that has AVX-512 too.
 # Idempotent: re-running with the stamp present does nothing. ~10 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +18,13 @@ if [ ! -f "$STAMP" ]; then
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     # GGML_NATIVE: the build machine's own ISA (what our kernels get too); no BLAS, llama.cpp's own GEMMs
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        "$VENV/bin/pip" install --no-binary llama-cpp-python "$LLAMACPP" psutil  # psutil: bench_offline's CPU time
+    ISA="-DGGML_NATIVE=ON" CACHE=""
+    if [ -n "${LLAMACPP_MARCH:-}" ]; then  # pip's wheel cache is keyed by the source, not CMAKE_ARGS: not read
+        ISA="-DGGML_NATIVE=OFF -DCMAKE_C_FLAGS=-march=$LLAMACPP_MARCH -DCMAKE_CXX_FLAGS=-march=$LLAMACPP_MARCH"
+        CACHE="--no-cache-dir"
+    fi
+    CMAKE_ARGS="$ISA -DGGML_BLAS=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$VENV/bin/pip" install $CACHE --no-binary llama-cpp-python "$LLAMACPP" psutil  # psutil: bench_offline's CPU time
     "$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())'
     touch "$STAMP"
 fi
