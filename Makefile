@@ -59,6 +59,8 @@ serve: model kernels
 # DISCOVERY=etcd: etcd discovery and NATS JetStream events (those ETCD_ENDPOINTS / NATS_SERVER name, else started on
 # this host), as a cluster of several hosts runs them; file (the default): one host, neither. HOSTS=1 (with
 # DISCOVERY=etcd; root): etcd + NATS, the frontend and each worker in a network namespace of its own, as hosts.
+# PLANNER='{"decode_scale_up_kv_rate": 70, "decode_scale_down_kv_rate": 10}' (with DISCOVERY=etcd): Dynamo's planner
+# in load mode adds and stops workers between MIN_WORKERS and MAX_WORKERS (docs/dynamo.md).
 WORKERS ?= 2
 PREFILL_WORKERS ?= 0
 DECODE_WORKERS ?= 0
@@ -66,6 +68,9 @@ CONDITIONAL_DISAGG ?=
 WORKER_ARGS ?=
 DISCOVERY ?= file
 HOSTS ?=
+PLANNER ?=
+MIN_WORKERS ?= 1
+MAX_WORKERS ?= 4
 dynamo-venv:
 	bash scripts/dynamo_env.sh
 
@@ -73,6 +78,7 @@ serve-dynamo: model kernels dynamo-venv $(if $(filter etcd,$(DISCOVERY)),cluster
 	.venv-dynamo/bin/python -m backend.dynamo.launcher --workers $(WORKERS) --prefill-workers $(PREFILL_WORKERS) \
 		--discovery $(DISCOVERY) $(if $(HOSTS),--hosts) \
 		--decode-workers $(DECODE_WORKERS) $(if $(CONDITIONAL_DISAGG),--conditional-disagg '$(CONDITIONAL_DISAGG)') \
+		$(if $(PLANNER),--planner '$(PLANNER)' --min-workers $(MIN_WORKERS) --max-workers $(MAX_WORKERS)) \
 		-- $(WORKER_ARGS)
 
 # NVIDIA AIPerf (own venv, .venv-aiperf) against a RUNNING `make serve-dynamo`: synthetic chat, 256 tokens in,

@@ -11,7 +11,8 @@ worker whose discovery entry goes with it and routes to the others), and stops e
     python -m backend.dynamo.launcher --workers 2 --http-port 8080 [-- --max-num-seqs 32 ...]
 
 Arguments after `--` go to every worker (engine settings, `--dyn-tool-call-parser hermes`: python -m
-backend.dynamo.worker --help).
+backend.dynamo.worker --help). `--planner JSON` (with `--discovery etcd`): Dynamo's planner in its load mode adds and
+stops workers between `--min-workers` and `--max-workers` (scaling.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.dynamo.control_plane import Planes, start_planes
@@ -53,6 +54,9 @@ class Cluster:
     served_model_name: str = MODEL_NAME
     hosts: Hosts | None = None  # hosts of their own: planes, frontend, worker0, ... (removed with the cluster)
     env: dict[str, str] | None = None  # for another Dynamo process on this host's loopback (a planner, a probe)
+    spawn: Callable[..., subprocess.Popen] | None = None  # (name, `python -m` argv, pipe, env): beside the workers
+    others: list[subprocess.Popen] = field(default_factory=list)  # stopped with the cluster (the planner, scaler)
+    stopped: set[int] = field(default_factory=set)  # workers stop_worker stopped
 
     def worker_address(self, index: int) -> str:
         """Where worker `index` serves its metrics and system endpoints (port: the frontend's + 1 + index)."""
@@ -69,11 +73,18 @@ class Cluster:
         """SIGTERM (Dynamo's graceful shutdown: the worker unregisters, then finishes its streams in flight) or
         SIGKILL; returns its exit code."""
         proc = self.workers[index]
+        self.stopped.add(index)
         proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
         return proc.wait(timeout)
 
+    def start_planner(self, config: dict, **env: str) -> subprocess.Popen:
+        """Dynamo's planner on this cluster (planner.py: `config` is dynamo.planner's, JSON); it logs to planner.log
+        in log_dir and stops with the cluster."""
+        self.others.append(self.spawn("planner", ["backend.dynamo.planner", "--config", json.dumps(config)], **env))
+        return self.others[-1]
+
     def stop(self, grace: float = 10.0) -> None:
-        procs = [*self.workers, self.frontend]
+        procs = [*self.others, *self.workers, self.frontend]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -166,13 +177,16 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
         raise
     planes_args = ["--discovery-backend", discovery] + (["--event-plane", "nats"] if planes else [])
 
-    def spawn(name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
-        """`python -m argv` as `name`: with `hosts`, on a host of its own (its servers on its address)."""
+    def spawn(name: str, argv: list[str], pipe: bool = False, **extra_env: str) -> subprocess.Popen:
+        """`python -m argv` as `name`: with `hosts`, on a host of its own (its servers on its address). Its output
+        goes to <name>.log; with `pipe`, its stdin and stdout are pipes (text lines) and only stderr goes there."""
         address = machines.add(name) if machines else "127.0.0.1"
         command = [python, "-m", *argv]
+        log = (log_dir / f"{name}.log").open("w")
         return subprocess.Popen(machines.wrap(name, command) if machines else command,
                                 env={**environment(run_dir / "discovery", threads, planes, address), **extra_env},
-                                stdout=(log_dir / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if pipe else None, stdout=subprocess.PIPE if pipe else log,
+                                stderr=log if pipe else subprocess.STDOUT, text=pipe or None, bufsize=1 if pipe else -1,
                                 start_new_session=True)
 
     # --migration-limit: a request whose worker dies mid-stream continues on another worker
@@ -190,7 +204,7 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
     procs = [spawn_worker(role, i) for i, role in enumerate(roles)]
     host = machines.addresses["frontend"] if machines else "127.0.0.1"
     cluster = Cluster(frontend, procs, log_dir, f"http://{host}:{http_port}", planes, spawn_worker,
-                      served_model_name, machines, environment(run_dir / "discovery", threads, planes))
+                      served_model_name, machines, environment(run_dir / "discovery", threads, planes), spawn)
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
@@ -253,7 +267,15 @@ def main() -> None:
                         "namespace of its own, each with its own address on a bridge (hosts.py)")
     p.add_argument("--model", default="default", help="HF folder, or `default` (SmolLM2 from the model store)")
     p.add_argument("--served-model-name", default=MODEL_NAME)
+    p.add_argument("--planner", default=None, metavar="JSON",
+                   help='with --discovery etcd: Dynamo\'s planner in load mode adds and stops workers (scaling.py), its '
+                        'thresholds e.g. \'{"decode_scale_up_kv_rate": 70, "decode_scale_down_kv_rate": 10}\' '
+                        '(docs/dynamo.md)')
+    p.add_argument("--min-workers", type=int, default=1, help="with --planner: the fewest workers it keeps")
+    p.add_argument("--max-workers", type=int, default=4, help="with --planner: the most workers it starts")
     args = p.parse_args(argv)
+    if args.planner and (args.discovery != "etcd" or args.prefill_workers or args.decode_workers):
+        p.error("--planner: needs --discovery etcd (the planner's decisions are kept there) and the aggregated layout")
     for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the cluster as Ctrl-C does; SIGINT may start
         signal.signal(sig, signal.default_int_handler)  # ignored (a background job of a script)
     if args.prefill_workers or args.decode_workers:
@@ -269,18 +291,24 @@ def main() -> None:
     except (RuntimeError, ValueError, OSError) as err:  # port in use, bad model folder, a process died, timeout
         sys.exit(f"serve-dynamo: {err}")
     n = len(cluster.workers)
+    if args.planner:
+        from backend.dynamo.scaling import Autoscaler
+
+        Autoscaler(cluster, json.loads(args.planner), args.min_workers, args.max_workers)
     print(f"ready: OpenAI API on {cluster.url}/v1 (model {args.served_model_name!r}, {layout}, "
           f"their metrics on ports {args.http_port + 1}..{args.http_port + n}"
           f"{' of their hosts: ' + str(cluster.hosts.addresses) if cluster.hosts else ''}); "
+          f"{'the planner adds and stops workers (decisions.log); ' if args.planner else ''}"
           f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
-    alive = set(range(len(cluster.workers)))
+    gone: set[int] = set()  # workers that exited (those the planner stopped are not reported)
     try:
-        while cluster.frontend.poll() is None and alive:
-            for i in sorted(alive):
-                if cluster.workers[i].poll() is not None:
-                    alive.discard(i)
-                    print(f"worker{i} exited with code {cluster.workers[i].returncode} (log "
-                          f"{cluster.log_dir}/worker{i}.log); {len(alive)} still serving", flush=True)
+        while cluster.frontend.poll() is None and len(gone) < len(cluster.workers):
+            for i, worker in enumerate(list(cluster.workers)):
+                if i not in gone and worker.poll() is not None:
+                    gone.add(i)
+                    if i not in cluster.stopped:
+                        print(f"worker{i} exited with code {worker.returncode} (log {cluster.log_dir}/worker{i}.log); "
+                              f"{len(cluster.workers) - len(gone)} still serving", flush=True)
             time.sleep(1)
         print("the frontend exited" if cluster.frontend.poll() is not None else "every worker exited", flush=True)
         code = 1
