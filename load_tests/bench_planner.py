@@ -91,11 +91,10 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
         openai_sse_stream(requests.Session(), cluster.url, MODEL, "warm up", 4)
         records: list[tuple[int, StreamRecord | None]] = []
         phases, t0 = len(args.streams), time.monotonic()
-        end = t0 + phases * args.phase_seconds
 
         def stream(last: int) -> None:  # closed loop to the end of phase `last`
             session = requests.Session()
-            while (now := time.monotonic()) < min(end, t0 + (last + 1) * args.phase_seconds):
+            while (now := time.monotonic()) < t0 + (last + 1) * args.phase_seconds:
                 phase = phase_of(now, t0, args.phase_seconds, phases)
                 try:
                     records.append((phase, openai_sse_stream(session, cluster.url, MODEL, prompt, args.max_tokens)))

@@ -77,11 +77,15 @@ class Cluster:
         proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
         return proc.wait(timeout)
 
+    def start_beside(self, name: str, argv: list[str], pipe: bool = False, **env: str) -> subprocess.Popen:
+        """`python -m argv` as `name` beside the workers (spawn), stopped with the cluster."""
+        self.others.append(self.spawn(name, argv, pipe, **env))
+        return self.others[-1]
+
     def start_planner(self, config: dict, **env: str) -> subprocess.Popen:
         """Dynamo's planner on this cluster (planner.py: `config` is dynamo.planner's, JSON); it logs to planner.log
-        in log_dir and stops with the cluster."""
-        self.others.append(self.spawn("planner", ["backend.dynamo.planner", "--config", json.dumps(config)], **env))
-        return self.others[-1]
+        in log_dir."""
+        return self.start_beside("planner", ["backend.dynamo.planner", "--config", json.dumps(config)], **env)
 
     def stop(self, grace: float = 10.0) -> None:
         procs = [*self.others, *self.workers, self.frontend]
@@ -186,7 +190,7 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
         return subprocess.Popen(machines.wrap(name, command) if machines else command,
                                 env={**environment(run_dir / "discovery", threads, planes, address), **extra_env},
                                 stdin=subprocess.PIPE if pipe else None, stdout=subprocess.PIPE if pipe else log,
-                                stderr=log if pipe else subprocess.STDOUT, text=pipe or None, bufsize=1 if pipe else -1,
+                                stderr=log if pipe else subprocess.STDOUT, text=pipe, bufsize=1 if pipe else -1,
                                 start_new_session=True)
 
     # --migration-limit: a request whose worker dies mid-stream continues on another worker

@@ -52,8 +52,7 @@ class Autoscaler:
     def __post_init__(self) -> None:
         config = planner_config(self.load, self.cluster.served_model_name, self.min_workers, self.max_workers)
         self.planner = self.cluster.start_planner(config, SCALING_CHECK_INTERVAL=str(self.check_interval_s))
-        self.scaler = self.cluster.spawn("scaler", ["backend.dynamo.scaler"], pipe=True)
-        self.cluster.others.append(self.scaler)
+        self.scaler = self.cluster.start_beside("scaler", ["backend.dynamo.scaler"], pipe=True)
         self._thread = threading.Thread(target=self._follow, name="autoscaler", daemon=True)
         self._thread.start()
 
