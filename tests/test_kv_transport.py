@@ -16,16 +16,18 @@ def _kv(dtype: torch.dtype, blocks: int = 3) -> ExportedKV:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_an_export_arrives_bit_for_bit_once(dtype):
     async def run():
-        server = KVServer()
+        sent: list[int] = []
+        server = KVServer(on_sent=sent.append)
         await server.start()
         kv = _kv(dtype)
         params = server.put(kv)
         got, transfer = await fetch(params)
         assert got.num_tokens == 48 and got.block_size == 16 and got.data.dtype == dtype
         assert torch.equal(got.data, kv.data) and transfer.num_bytes == kv.data.numel() * kv.data.element_size()
-        assert server.num_pending == 0
+        assert server.num_pending == 0 and sent == [transfer.num_bytes]  # counted on both sides alike
         with pytest.raises(ConnectionError, match="no KV export .* \\(expired or sent\\)"):
             await fetch(params)  # sent once
+        assert sent == [transfer.num_bytes]  # a refused handle sends nothing
         await server.close()
 
     asyncio.run(run())

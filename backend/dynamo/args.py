@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from backend.engine.config import setting_fields
 from backend.serving.model_store import MODEL_NAME
@@ -21,8 +22,9 @@ def worker_parser() -> argparse.ArgumentParser:
                         "workers (docs/dynamo.md)")
     p.add_argument("--kv-transport", default="nixl", choices=["nixl", "tcp"],
                    help="prefill role: how decode workers get the KV blocks (NIXL over UCX, or a plain TCP pull)")
-    p.add_argument("--kv-host", default="127.0.0.1",
-                   help="prefill role, tcp transport: the address decode workers fetch KV blocks from")
+    p.add_argument("--kv-host", default=os.environ.get("DYN_TCP_RPC_HOST", "127.0.0.1"),
+                   help="prefill role, tcp transport: the address decode workers fetch KV blocks from (default: the "
+                        "one this worker serves requests on, DYN_TCP_RPC_HOST, else 127.0.0.1)")
     p.add_argument("--dyn-tool-call-parser", default=None, metavar="NAME",
                    help="the frontend's parser for tool calls in this model's output, as Dynamo's own workers name "
                         "it: hermes fits ChatML models such as SmolLM2 (<tool_call>{...}</tool_call>); default: none")

@@ -39,11 +39,14 @@ class Disaggregation:
         if transport not in TRANSPORTS:
             raise ValueError(f"kv_transport: expected one of {TRANSPORTS}, got {transport!r}")
         self.role = role
+        self.registry = CollectorRegistry()
+        sent = Counter("llm_kv_sent_bytes", "KV bytes decode workers fetched from this prefill worker",
+                       registry=self.registry)
         self.server = None
         if role == "prefill":  # the prefill side picks the transport; its params tell the decode side
-            self.server = kv_nixl.NixlKVServer() if transport == "nixl" else KVServer(kv_host)
+            self.server = (kv_nixl.NixlKVServer(on_sent=sent.inc) if transport == "nixl"
+                           else KVServer(kv_host, on_sent=sent.inc))
         self._nixl: kv_nixl.NixlFetcher | None = None
-        self.registry = CollectorRegistry()
         self.requests = Counter("llm_disagg_requests", "Requests by where their prompt was prefilled",
                                 ["prefill"], registry=self.registry)
         self.transfer_seconds = Histogram("llm_kv_transfer_seconds", "Fetching one request's KV blocks",

@@ -77,6 +77,11 @@ class Hosts:
         self.addresses[name] = address
         return address
 
+    def link(self, name: str) -> str:
+        """The bridge's end of host `name`'s veth pair, in this namespace: its counters (/sys/class/net/<link>/
+        statistics) are that host's traffic, what it sent as rx_bytes."""
+        return f"dyv{self.tag}{self.addresses[name].rsplit('.', 1)[1]}"
+
     def wrap(self, name: str, argv: list[str]) -> list[str]:
         """`argv` run in host `name`'s namespace (`ip netns exec` execs it: the process keeps the pid)."""
         return ["ip", "netns", "exec", self.namespace(name), *argv]

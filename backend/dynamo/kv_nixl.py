@@ -21,6 +21,7 @@ import base64
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,8 +48,8 @@ def _b64(data: bytes) -> str:
 
 
 class NixlKVServer:
-    def __init__(self, ttl: float = 60.0):
-        self.ttl = ttl
+    def __init__(self, ttl: float = 60.0, on_sent: Callable[[int], None] = lambda n: None):
+        self.ttl, self.on_sent = ttl, on_sent  # on_sent: the bytes of each export a decode worker read
         self._agent = _agent("prefill")
         self._name = self._agent.name
         self._exports: dict[str, tuple[float, torch.Tensor, Any]] = {}  # handle -> (time, buffer, registration)
@@ -87,7 +88,9 @@ class NixlKVServer:
         with self._lock:
             done = {msg.decode() for msgs in self._agent.get_new_notifs().values() for msg in msgs}
             now = time.monotonic()
-            for handle, (at, _, _) in list(self._exports.items()):
+            for handle, (at, data, _) in list(self._exports.items()):
+                if handle in done:
+                    self.on_sent(data.numel() * data.element_size())
                 if handle in done or now - at > self.ttl:
                     self._drop(handle)
 

@@ -18,6 +18,7 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,8 @@ def _payload(kv: ExportedKV) -> tuple[dict, memoryview]:
 
 
 class KVServer:
-    def __init__(self, host: str = "127.0.0.1", ttl: float = 60.0):
-        self.host, self.ttl = host, ttl
+    def __init__(self, host: str = "127.0.0.1", ttl: float = 60.0, on_sent: Callable[[int], None] = lambda n: None):
+        self.host, self.ttl, self.on_sent = host, ttl, on_sent  # on_sent: the bytes of each export sent whole
         self.port: int | None = None
         self._exports: dict[str, tuple[float, ExportedKV]] = {}
         self._lock = threading.Lock()  # put() runs on the engine's output thread, serving on the event loop
@@ -85,6 +86,7 @@ class KVServer:
                 for start in range(0, len(body), CHUNK):
                     writer.write(body[start:start + CHUNK])
                     await writer.drain()
+                self.on_sent(len(body))
             await writer.drain()
         finally:
             writer.close()

@@ -127,6 +127,8 @@ def environment(discovery_dir: Path, threads: int, planes: Planes | None = None,
         "DYN_SELF_HOST_METADATA": "0",  # one host: the model card is read from the shared discovery folder
         "OMP_NUM_THREADS": str(threads),
     })
+    if address != "127.0.0.1":  # a host of its own on this kernel: UCX would see one node and read the other
+        env.setdefault("UCX_TLS", "tcp")  # process's memory directly (CMA); NIXL's KV READs go over its address
     if planes is not None:
         del env["DYN_FILE_KV"]
         env.update(planes.env())
@@ -155,9 +157,8 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
         raise ValueError(f"discovery: expected one of {DISCOVERY}, got {discovery!r}")
     if router_mode not in ROUTER_MODES:
         raise ValueError(f"router_mode: expected one of {ROUTER_MODES}, got {router_mode!r}")
-    if hosts and (discovery != "etcd" or prefill_workers):
-        raise ValueError("hosts: hosts of their own need discovery etcd, and serve the aggregated layout (the "
-                         "disaggregated KV transfer, NIXL or TCP on --kv-host, is not set up across them)")
+    if hosts and discovery != "etcd":
+        raise ValueError("hosts: hosts of their own need discovery etcd")
     if (prefill_workers > 0) != (decode_workers > 0):
         raise ValueError("prefill_workers, decode_workers: the disaggregated layout needs at least one of each")
     roles = ["both"] * workers + ["prefill"] * prefill_workers + ["decode"] * decode_workers
