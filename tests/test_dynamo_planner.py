@@ -20,7 +20,7 @@ from openai import OpenAI
 from backend.dynamo.planner import SLA_REFUSED, STUB
 from backend.dynamo.scaling import Autoscaler
 from backend.serving.tokenizer import load_tokenizer
-from tests.dynamo_cluster import DYNAMO_PYTHON, MODEL, REPO, start_cluster, wait_kv_free
+from tests.dynamo_cluster import DYNAMO_PYTHON, MODEL, REPO, start_cluster, wait_kv_free, worker_metric
 from tests.reference import hf_greedy
 
 # the planner's load mode: scale up when a worker's KV (scheduled + queued) passes 30 % of its pool, down when every
@@ -128,3 +128,63 @@ def test_a_load_ramp_makes_the_planner_add_a_worker_and_later_remove_one(cluster
     assert len(stopped) == 1 and cluster.workers[stopped[0]].returncode == 0  # drained, not cut
     assert wait_kv_free(cluster, scaler.serving()) == 0  # and the one serving holds no block
     assert "aisimulate_core" not in log and scaler.planner.poll() is None  # the load mode never used the stand-in
+
+
+# disaggregated: a prefill worker is added when one has 1,000 prompt tokens waiting, removed when none waits; 2
+# requests at a time a worker, so the 6 streams of the high phase keep prompts waiting. Decode held (its KV is 42 %
+# at most here: up at 95 %)
+LOAD_DISAGG = {"prefill_scale_up_queue_tokens": 1000, "prefill_scale_down_queue_tokens": 0,
+               "decode_scale_up_kv_rate": 95, "decode_scale_down_kv_rate": 0, "load_adjustment_interval_seconds": 1}
+LONG = " ".join(f"w{i % 97}" for i in range(300))  # 861 tokens: each request's own first word makes it new to a cache
+
+
+def test_the_planner_scales_prefill_workers_of_a_disaggregated_cluster(tiny_model_dir, tmp_path_factory):
+    cluster = start_cluster(tiny_model_dir, tmp_path_factory.mktemp("dynamo-planner-disagg-logs"),
+                            ("--max-num-seqs", "2"), workers=0, prefill_workers=1, decode_workers=1, discovery="etcd")
+    try:
+        scaler = Autoscaler(cluster, LOAD_DISAGG, min_workers=1, max_workers=2)
+        wait_until("the planner deciding", lambda: "[summary] HOLD" in planner_log(cluster), scaler, 240)
+        client = OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        done: list[tuple[str, str, int]] = []  # (prompt, text, completion tokens)
+        errors: list[BaseException] = []
+        high = threading.Event()
+        high.set()
+
+        def stream_on(i: int) -> None:
+            try:
+                turn = 0
+                while high.is_set():
+                    prompt, turn = f"s{i}t{turn} {LONG}", turn + 1
+                    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+                    done.append((prompt, out.choices[0].text, out.usage.completion_tokens))
+            except BaseException as err:  # noqa: BLE001  (asserted in the test's thread)
+                errors.append(err)
+
+        threads = [threading.Thread(target=stream_on, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until("a second prefill worker", lambda: any(d.serving["prefill"] == 2 for d in scaler.decisions),
+                       scaler, 180)
+            time.sleep(3)
+        finally:
+            high.clear()
+            for t in threads:
+                t.join(180)
+        wait_until("back to one prefill worker", lambda: scaler.decisions[-1].serving["prefill"] == 1, scaler, 180)
+        log = planner_log(cluster)
+        assert not errors, errors
+        assert "[summary] SCALE_UP | current: prefill=1 decode=1 | recommended: prefill=2 decode=1" in log, log[-3000:]
+        assert max(int(q) for q in re.findall(r"Load prefill \S+: queued=(\d+)", log)) >= 1000
+        assert not any(d.error for d in scaler.decisions) and {d.serving["decode"] for d in scaler.decisions} == {1}
+        tokenizer = load_tokenizer(tiny_model_dir)
+        expected = hf_greedy(tiny_model_dir, [tokenizer(p)["input_ids"] for p, _, _ in done], [4] * len(done))
+        assert all(n == 4 for _, _, n in done) and [t for _, t, _ in done] == [tokenizer.decode(e) for e in expected]
+        stopped = sorted(cluster.stopped)
+        assert stopped and all(cluster.roles[i] == "prefill" and cluster.workers[i].returncode == 0 for i in stopped)
+        decode = cluster.roles.index("decode")  # a prefill worker stopping waited for its exports to be fetched
+        assert worker_metric(cluster, decode, "llm_disagg_requests_total", 'prefill="local_after_failed_transfer"') == 0
+        assert wait_kv_free(cluster, scaler.serving()) == 0
+    finally:
+        cluster.stop()

@@ -12,7 +12,7 @@ worker whose discovery entry goes with it and routes to the others), and stops e
 
 Arguments after `--` go to every worker (engine settings, `--dyn-tool-call-parser hermes`: python -m
 backend.dynamo.worker --help). `--planner JSON` (with `--discovery etcd`): Dynamo's planner in its load mode adds and
-stops workers between `--min-workers` and `--max-workers` (scaling.py).
+stops workers between `--min-workers` and `--max-workers` (scaling.py; disaggregated, prefill and decode workers apart).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Cluster:
     spawn: Callable[..., subprocess.Popen] | None = None  # (name, `python -m` argv, pipe, env): beside the workers
     others: list[subprocess.Popen] = field(default_factory=list)  # stopped with the cluster (the planner, scaler)
     stopped: set[int] = field(default_factory=set)  # workers stop_worker stopped
+    roles: list[str] = field(default_factory=list)  # each worker's: both, prefill or decode
 
     def worker_address(self, index: int) -> str:
         """Where worker `index` serves its metrics and system endpoints (port: the frontend's + 1 + index)."""
@@ -66,6 +67,7 @@ class Cluster:
         """Start one more worker, which joins through discovery; returns its index once the frontend routes to it."""
         before = serving_workers(self.url)
         self.workers.append(self.spawn_worker(role, len(self.workers)))
+        self.roles.append(role)
         wait_ready(self, self.served_model_name, before + 1, timeout, watch=[len(self.workers) - 1])
         return len(self.workers) - 1
 
@@ -202,14 +204,17 @@ def start(workers: int = 2, http_port: int = 8080, router_mode: str = "kv", mode
                                   "--discovery-backend", discovery, "--migration-limit", "3", *conditional])
 
     def spawn_worker(role: str, i: int) -> subprocess.Popen:
-        return spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role,
+        # prefill workers in a component of their own, as Dynamo's own are: its planner counts and reads them there
+        component = ["--component", "prefill"] if role == "prefill" else []
+        return spawn(f"worker{i}", ["backend.dynamo.worker", "--model", str(model_dir), "--role", role, *component,
                                     "--served-model-name", served_model_name, *planes_args, *worker_args],
                      DYN_SYSTEM_PORT=str(http_port + 1 + i))
 
     procs = [spawn_worker(role, i) for i, role in enumerate(roles)]
     host = machines.addresses["frontend"] if machines else "127.0.0.1"
     cluster = Cluster(frontend, procs, log_dir, f"http://{host}:{http_port}", planes, spawn_worker,
-                      served_model_name, machines, environment(run_dir / "discovery", threads, planes), spawn)
+                      served_model_name, machines, environment(run_dir / "discovery", threads, planes), spawn,
+                      roles=roles)
     try:
         wait_ready(cluster, served_model_name, len(roles))
     except BaseException:
@@ -276,11 +281,13 @@ def main() -> None:
                    help='with --discovery etcd: Dynamo\'s planner in load mode adds and stops workers (scaling.py), its '
                         'thresholds e.g. \'{"decode_scale_up_kv_rate": 70, "decode_scale_down_kv_rate": 10}\' '
                         '(docs/dynamo.md)')
-    p.add_argument("--min-workers", type=int, default=1, help="with --planner: the fewest workers it keeps")
-    p.add_argument("--max-workers", type=int, default=4, help="with --planner: the most workers it starts")
+    p.add_argument("--min-workers", type=int, default=1,
+                   help="with --planner: the fewest workers it keeps (of each role, disaggregated)")
+    p.add_argument("--max-workers", type=int, default=4,
+                   help="with --planner: the most workers it starts (of each role, disaggregated)")
     args = p.parse_args(argv)
-    if args.planner and (args.discovery != "etcd" or args.prefill_workers or args.decode_workers):
-        p.error("--planner: needs --discovery etcd (the planner's decisions are kept there) and the aggregated layout")
+    if args.planner and args.discovery != "etcd":
+        p.error("--planner: needs --discovery etcd (the planner's decisions are kept there)")
     for sig in (signal.SIGINT, signal.SIGTERM):  # `kill` stops the cluster as Ctrl-C does; SIGINT may start
         signal.signal(sig, signal.default_int_handler)  # ignored (a background job of a script)
     if args.prefill_workers or args.decode_workers:

@@ -58,6 +58,7 @@ class EngineWorker(DynamoEngine):
         self.loop: EngineLoop | None = None
         self._watchdog: asyncio.Task | None = None
         self._endpoint: Any = None  # the serving endpoint (on_endpoint_ready), where LoRA adapters register
+        self._in_flight = 0  # generate() calls not yet finished
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[EngineWorker, WorkerConfig]:
@@ -155,6 +156,14 @@ class EngineWorker(DynamoEngine):
             LOG.error("the engine died (%r); stopping this worker", self.loop.error)
             os.kill(os.getpid(), signal.SIGTERM)
 
+    async def is_quiescent(self) -> bool | None:
+        """Dynamo polls a stopping prefill worker (after its grace period, before cleanup) until this is True: its
+        last requests are done and their exports fetched, so the decode workers on their way need not prefill again
+        (the planner scaling prefill workers in). Other roles are not polled."""
+        if self.disagg.server is None:
+            return None
+        return self._in_flight == 0 and self.disagg.server.num_pending == 0
+
     async def kv_event_sources(self) -> list[PushSource]:
         return [PushSource(on_ready=self._on_kv_publisher, dp_rank=0)]
 
@@ -191,6 +200,7 @@ class EngineWorker(DynamoEngine):
         except EngineDeadError as err:
             raise EngineShutdown(str(err)) from None
         finished, prompt_logprobs = False, None
+        self._in_flight += 1
         try:
             while not finished:
                 out = await outputs.get()
@@ -219,6 +229,7 @@ class EngineWorker(DynamoEngine):
                         chunk["engine_data"] = {"prompt_logprobs": prompt_logprobs}
                 yield chunk
         finally:
+            self._in_flight -= 1
             if not finished:  # the stream was closed early (client gone): free the engine request
                 self.loop.stop_request(sub.client_id)
 
