@@ -160,10 +160,10 @@ def test_q4_1_w4a8_serves_iq4_blocks_through_their_table(type_name, m, n, k):
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "IQ4_XS", "Q6_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(type_name):
-    """The int8 kernels read a K-quant's scales (and mins) as stored, int8 steps under a float32 unit per 256
+    """The int8 kernels read a K-quant's scales (and mins) as stored, int8 steps under a float16 unit per 256
     weights (kernels/block_scales.h), and form in registers the products the float32 scales hold: the same outputs
-    bit for bit, at 1 row and at 45 (AMX tiles where the CPU has them), alone and as an expert, from 3/8 or less of the
-    scales' bytes. Joined (fused q/k/v) and reordered rows (llama.cpp's rotary order) keep them."""
+    bit for bit, at 1 row and at 45 (AMX tiles where the CPU has them), alone and as an expert, from 5/16 or less of
+    the scales' bytes (a Q4_K weight in 4.625 bits). Joined (fused q/k/v) and reordered rows (llama.cpp's rotary order) keep them."""
     rng = np.random.default_rng(11)
     n, k = 577, 512
     blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
@@ -179,7 +179,9 @@ def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(typ
     def scale_bytes(k: gemm.PackedKernel) -> int:  # not the weights, nor q8_0_w8a8's comp (int32, read by VNNI)
         return sum(t.nbytes for t in k.panels[1:] if t.dtype != torch.int32)
 
-    assert scale_bytes(kernel) <= 0.375 * scale_bytes(flat)  # 1 byte a scale and 4 per 8 or 16, not 4
+    assert scale_bytes(kernel) <= 0.3125 * scale_bytes(flat)  # 1 byte a scale and 2 per 8 or 16, not 4
+    if type_name == "Q4_K":  # nibbles, a scale and a min step per 32, their units per 256 (llama.cpp's file: 4.5)
+        assert 8 * sum(t.nbytes for t in kernel.panels) / (-(-n // 16) * 16 * k) == 4.625
     x = torch.from_numpy(rng.standard_normal((45, k), dtype=np.float32))
     for rows in (x[:1], x):
         want = floats(rows)
@@ -192,7 +194,7 @@ def test_a_k_quants_16_weight_sub_blocks_are_read_in_6_bits(type_name):
     """The values of a K-quant with a scale per 16 weights fit in 6 bits (Q6_K -32..31, Q3_K -4..3, Q2_K 0..3), and
     q8_0_w8a8 packs them so (kernels/q8_0_w8a8.cpp: 4 bits in the 4-bit kernels' nibble layout, the top 2 in planes
     beside them) with no comp: 6 bits a weight where int8 values and comp took 10 (as llama.cpp's Q6_K's 6.56 with
-    its scales, ours 6.63). Exact math on the values is the test above; a weight with a scale per 16 outside 6 bits
+    its scales, ours the same). Exact math on the values is the test above; a weight with a scale per 16 outside 6 bits
     is refused by name."""
     if not w8a8_runs_here():
         return
@@ -204,9 +206,9 @@ def test_a_k_quants_16_weight_sub_blocks_are_read_in_6_bits(type_name):
     panels = -(-n // 16)
     assert packed.dtype == torch.uint8 and packed.shape == (panels, k // 32, 384) and comp.numel() == 0
     bits = 8 * sum(t.nbytes for t in kernel.panels) / (panels * 16 * k)
-    # 6 bits, an int8 step per 16 and a float32 unit per 256 (and as many for Q2_K's mins); Q3_K and Q2_K: 6-bit
+    # 6 bits, an int8 step per 16 and a float16 unit per 256 (and as many for Q2_K's mins); Q3_K and Q2_K: 6-bit
     # values of their 3.4 and 2.6 bits
-    assert bits <= 6.625 + (0.625 if blocks.m is not None else 0), bits
+    assert bits <= 6.5625 + (0.5625 if blocks.m is not None else 0), bits
     wide = dataclasses.replace(blocks, q=blocks.q.clone().index_fill_(1, torch.tensor([5]), -33))
     with pytest.raises(ValueError, match="q8_0_w8a8: a weight with a scale per 16 must have values in -32..31"):
         gemm.TACTICS["q8_0_w8a8"].prepare(wide, None)

@@ -1,8 +1,9 @@
 // A panel's scales (or mins) of the int8 GEMMs, one per block of its 16 channels: float32, or as llama.cpp's K-quants
-// store them (models/weight_blocks.py, SuperScales): an int8 step per block times a float32 unit per 256 weights along
-// K (a Q4_K's d * scale6, a Q6_K's d * sc). Each product is exact in float32, so the kernel forms in registers the
-// same numbers the float32 scales hold, from 1 byte a block instead of 4: a Q4_K weight is read in 4.75 bits, not 6,
-// and a Q6_K one (its values in 6 bits, q8_0_w8a8.cpp) in 6.6, not 8.
+// store them (models/weight_blocks.py, SuperScales): an int8 step per block times a float16 unit per 256 weights along
+// K (a Q4_K's d * scale6, a Q6_K's d * sc; d is the file's float16, so exact). Each product is exact in float32, so
+// the kernel forms in registers the same numbers the float32 scales hold, from 1 byte a block instead of 4: a Q4_K
+// weight is read in 4.625 bits, not 6 (llama.cpp's own 4.5 packs the steps in 6 bits), and a Q6_K one (its values in
+// 6 bits, q8_0_w8a8.cpp) in 6.56, not 8.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,15 +14,17 @@
 namespace llm_kernels {
 
 struct BlockScales {
-  const float* f;       // [scales, 16] float32, or with steps the units [scales / per_unit, 16]
-  const int8_t* steps;  // [scales, 16], or null
-  int64_t per_unit;     // scales under one unit: 256 weights' worth
+  const float* f;           // [scales, 16] float32, or null (with steps, or none)
+  const int8_t* steps;      // [scales, 16], or null
+  const at::Half* units;    // with steps: [scales / per_unit, 16] float16
+  int64_t per_unit;         // scales under one unit: 256 weights' worth
+
+  bool given() const { return f || steps; }
 
   // These of panel p, for `scales` per panel row along K.
   BlockScales nth(int64_t p, int64_t scales) const {
-    if (!f) return *this;
-    if (!steps) return {f + p * scales * 16, nullptr, per_unit};
-    return {f + p * scales / per_unit * 16, steps + p * scales * 16, per_unit};
+    if (steps) return {nullptr, steps + p * scales * 16, units + p * scales / per_unit * 16, per_unit};
+    return {f ? f + p * scales * 16 : nullptr, nullptr, nullptr, per_unit};
   }
 
 #if defined(__AVX2__)
@@ -30,7 +33,8 @@ struct BlockScales {
   __attribute__((always_inline)) __m256 eight(int64_t i, int h) const {
     if (!steps) return _mm256_loadu_ps(f + i * 16 + 8 * h);
     const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + i * 16 + 8 * h));
-    return _mm256_mul_ps(_mm256_loadu_ps(f + i / per_unit * 16 + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
+    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(units + i / per_unit * 16 + 8 * h));
+    return _mm256_mul_ps(_mm256_cvtph_ps(u), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
   }
 
   // These n scales (a panel's) as float32 [n, 16] in `out`: for a call that passes over the panel more than once,
@@ -41,7 +45,7 @@ struct BlockScales {
       _mm256_storeu_ps(out + i * 16, eight(i, 0));
       _mm256_storeu_ps(out + i * 16 + 8, eight(i, 1));
     }
-    return {out, nullptr, per_unit};
+    return {out, nullptr, nullptr, per_unit};
   }
 #endif
 #if defined(__AVX512F__)
@@ -49,24 +53,26 @@ struct BlockScales {
   __attribute__((always_inline)) __m512 sixteen(int64_t i) const {
     if (!steps) return _mm512_loadu_ps(f + i * 16);
     const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + i * 16));
-    return _mm512_mul_ps(_mm512_loadu_ps(f + i / per_unit * 16), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + i / per_unit * 16));
+    return _mm512_mul_ps(_mm512_cvtph_ps(u), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
   }
 #endif
 };
 
-// `f` [stacked, n, 16] float32 and `steps` empty, or `f` the units [stacked, n / per_unit, 16] float32 and `steps`
-// [stacked, n, 16] int8; both empty: none (a null f).
+// `f` [stacked, n, 16] float32 and `steps` empty, or `f` the units [stacked, n / per_unit, 16] float16 and `steps`
+// [stacked, n, 16] int8; both empty: none (not given()).
 inline BlockScales block_scales(const char* op, const char* name, const at::Tensor& f, const at::Tensor& steps,
                                 int64_t stacked, int64_t n, int64_t per_unit) {
-  if (f.numel() == 0 && steps.numel() == 0) return {nullptr, nullptr, per_unit};
+  if (f.numel() == 0 && steps.numel() == 0) return {nullptr, nullptr, nullptr, per_unit};
   const bool stepped = steps.numel() > 0;
-  TORCH_CHECK(f.is_contiguous() && f.scalar_type() == at::kFloat &&
+  TORCH_CHECK(f.is_contiguous() && f.scalar_type() == (stepped ? at::kHalf : at::kFloat) &&
               f.sizes() == at::IntArrayRef({stacked, stepped ? n / per_unit : n, 16}) &&
               (!stepped || (n % per_unit == 0 && steps.is_contiguous() && steps.scalar_type() == at::kChar &&
                             steps.sizes() == at::IntArrayRef({stacked, n, 16}))),
               op, ": ", name, " [panels, ", n, ", 16] float32, or its units [panels, ", n / per_unit,
-              ", 16] float32 and steps [panels, ", n, ", 16] int8, expected");
-  return {f.data_ptr<float>(), stepped ? steps.data_ptr<int8_t>() : nullptr, per_unit};
+              ", 16] float16 and steps [panels, ", n, ", 16] int8, expected");
+  if (stepped) return {nullptr, steps.data_ptr<int8_t>(), f.data_ptr<at::Half>(), per_unit};
+  return {f.data_ptr<float>(), nullptr, nullptr, per_unit};
 }
 
 }  // namespace llm_kernels

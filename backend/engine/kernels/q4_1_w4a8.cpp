@@ -10,7 +10,7 @@
 //
 // Packed W (gemm.py): panels of 16 output channels; per 32-weight block 4 groups of [16 channels][4 consecutive k]
 // bytes, each byte holding k = 4g + j in its low nibble and k = 16 + 4g + j in its high one: one 64-byte load
-// feeds 16 lanes twice. d and m: [panels][K / 32][16] float32, or a K-quant's int8 steps under a float32 unit per
+// feeds 16 lanes twice. d and m: [panels][K / 32][16] float32, or a K-quant's int8 steps under a float16 unit per
 // 256 weights (block_scales.h).
 //
 // With a table (GGUF IQ4_NL / IQ4_XS: w ~ d * values[q], values 16 int8, no min: m is not read) the nibble is an
@@ -321,7 +321,7 @@ at::Tensor q4_1_w4a8(const char* op, const at::Tensor& x, const at::Tensor& pack
   const bool table = values.numel() > 0;
   const BlockScales wd = llm_kernels::block_scales(op, "d", d, d_steps, stacked, nb, 8);
   const BlockScales wm = llm_kernels::block_scales(op, "m", m, m_steps, stacked, nb, 8);
-  TORCH_CHECK(wd.f && (wm.f == nullptr) == table, op, ": d, and m unless values are given, expected");
+  TORCH_CHECK(wd.given() && !wm.given() == table, op, ": d, and m unless values are given, expected");
   TORCH_CHECK(!table || (values.sizes() == at::IntArrayRef({16}) && values.scalar_type() == at::kChar &&
                          values.is_contiguous()),
               op, ": values (the weight of each 4-bit index) [16] int8, or empty, expected");

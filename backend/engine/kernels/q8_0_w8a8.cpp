@@ -6,7 +6,7 @@
 // 6 bits and are read so (below): a block then sums two int32 dot products in float, one per weight scale. Or a min
 // per scale as well (w ~ q * scale + min: GGUF Q5_1, Q5_K, Q2_K): each adds min * sum(x), the sum of x's rounded
 // values (llama.cpp's Q8_1 activations).
-// A K-quant's scales and mins may come as stored, int8 steps under a float32 unit per 256 weights (block_scales.h).
+// A K-quant's scales and mins may come as stored, int8 steps under a float16 unit per 256 weights (block_scales.h).
 //
 // vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
 // 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
@@ -475,8 +475,8 @@ at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& pack
   const llm_kernels::BlockScales ws = llm_kernels::block_scales(op, "scales", scales, scale_steps, stacked, nb * sub,
                                                                 8 * sub);
   const llm_kernels::BlockScales wm = llm_kernels::block_scales(op, "mins", mins, min_steps, stacked, nb * sub, 8 * sub);
-  TORCH_CHECK(ws.f, op, ": scales expected");
-  const bool with_mins = wm.f != nullptr;  // none: empty tensors
+  TORCH_CHECK(ws.given(), op, ": scales expected");
+  const bool with_mins = wm.given();  // none: empty tensors
   const size_t q_bytes = llm_kernels::aligned64(M * K), s_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
   const size_t start_bytes = llm_kernels::aligned64(2 * M * nb * sizeof(int32_t));
   char* scratch = llm_kernels::thread_scratch(q_bytes + s_bytes + start_bytes + 2 * M * nb * sizeof(float));

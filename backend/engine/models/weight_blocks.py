@@ -34,8 +34,9 @@ BLOCK = 32
 
 @dataclass(frozen=True)
 class SuperScales:
-    """A K-quant's scales as stored: scale = unit * step, an int8 step per scale and a float32 unit (its float16 d)
-    per 256 weights along a row, each product exact in float32; mins the same, or None."""
+    """A K-quant's scales as stored: scale = unit * step, an int8 step per scale and a unit (its float16 d, held in
+    float32; the kernels read it in float16) per 256 weights along a row, each product exact in float32; mins the
+    same, or None."""
     step: torch.Tensor  # int8 [N, scales per row]
     unit: torch.Tensor  # float32 [N, K / 256]
     min_step: torch.Tensor | None = None

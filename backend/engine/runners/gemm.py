@@ -52,7 +52,7 @@ cores (float32 models in IEEE float32); one tactic per form there, so nothing is
 `int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
 of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form (a fused one of
 mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths;
-the int8-activation kernels read a K-quant's scales as stored, int8 steps under a float32 unit: the same numbers).
+the int8-activation kernels read a K-quant's scales as stored, int8 steps under a float16 unit, the file's d: the same numbers).
 Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
 the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
 (Q8_0: 88 %), since a few activation channels are far larger than the rest; `aten._weight_int4pack_mm_for_cpu`
@@ -195,12 +195,14 @@ def _panel_major(t: torch.Tensor | None) -> torch.Tensor:
 
 def _scales_as_read(blocks: Blocks) -> tuple[torch.Tensor, ...]:
     """(scales, mins, scale steps, min steps) of the int8 kernels (kernels/block_scales.h): a K-quant's stored steps
-    under their float32 units, else the float32 scales; an empty tensor for each that is not there."""
+    under their units in float16 (the file's own d, so exact), else the float32 scales; an empty tensor for each that
+    is not there."""
     s = blocks.stored
     if s is None:
         scale = blocks.scale if isinstance(blocks, Q8Blocks) else blocks.d
         return _panel_major(scale), _panel_major(blocks.m), _panel_major(None), _panel_major(None)
-    return _panel_major(s.unit), _panel_major(s.min_unit), _panel_major(s.step), _panel_major(s.min_step)
+    return (_panel_major(s.unit).half(), _panel_major(s.min_unit).half(), _panel_major(s.step),
+            _panel_major(s.min_step))
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
