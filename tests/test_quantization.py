@@ -125,6 +125,16 @@ def test_q4_1_w4a8_is_exact_math_on_its_rounding(m, n, k):
     assert y.shape == (m, n) and ((y.double() - reference).abs().max() / reference.abs().max()) < 1e-5
 
 
+def _served_blocks(tactic: str, type_name: str, seed: int) -> tuple[Q8Blocks | Q4Blocks, np.random.Generator] | None:
+    """Random GGUF blocks [577, 512] of `type_name` and the generator after them; None where this CPU refuses
+    `tactic` (q8_0_w8a8 without VNNI or AVX2: by name)."""
+    if (why := gemm.why_not(tactic, torch.float32)) is not None:
+        assert tactic == "q8_0_w8a8" and "needs AVX512-VNNI" in why
+        return None
+    rng = np.random.default_rng(seed)
+    return from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], 577, 512, rng, 0.01), 577, 512), rng
+
+
 @pytest.mark.parametrize("tactic, type_name", [("q8_0_w8a8", "Q8_0"), ("q8_0_w8a8", "Q5_1"), ("q8_0_w8a8", "Q6_K"),
                                                ("q8_0_w8a8", "Q2_K"), ("q4_1_w4a8", "Q4_1"), ("q4_1_w4a8", "IQ4_NL")])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tactic, type_name):
@@ -132,15 +142,37 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tactic, type_name):
     q4_1_w4a8.cpp) the first 32 rows go in tiles of 16, the last 13 through the VNNI microkernel, and one row alone
     through the microkernel: the two paths give the same float32 sums (the 6-bit weights, Q6_K and Q2_K, stay on
     VNNI: passes of 12 rows, then 9). A CPU without VNNI refuses q8_0_w8a8 by name."""
-    if (why := gemm.why_not(tactic, torch.float32)) is not None:
-        assert tactic == "q8_0_w8a8" and "needs AVX512-VNNI" in why
+    if (made := _served_blocks(tactic, type_name, 7)) is None:
         return
-    rng = np.random.default_rng(7)
-    n, k = 577, 512
-    blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
-    x = torch.from_numpy(rng.standard_normal((45, k), dtype=np.float32))
+    blocks, rng = made
+    x = torch.from_numpy(rng.standard_normal((45, 512), dtype=np.float32))
     run = gemm.TACTICS[tactic].prepare(blocks, None)
     assert torch.equal(run(x), torch.cat([run(x[i:i + 1]) for i in range(45)]))
+
+
+@pytest.mark.parametrize("tactic, type_name", [("q8_0_w8a8", "Q8_0"), ("q8_0_w8a8", "Q5_1"), ("q4_1_w4a8", "Q4_0"),
+                                               ("q4_1_w4a8", "Q4_1"), ("q4_1_w4a8", "IQ4_NL")])
+def test_a_files_float16_scales_are_read_in_float16_with_the_same_bits(tactic, type_name):
+    """A GGUF block's scale (and min) is the file's float16: the int8 kernels read it so (kernels/block_scales.h,
+    2 bytes a block, not 4; a Q8_0 weight in 9.5 bits, not 10) and give the float32 scales' outputs bit for bit, at 1
+    row and at 45, alone and as an expert. Scales that float16 cannot hold exactly (our own Q8_0 of float weights)
+    stay float32."""
+    if (made := _served_blocks(tactic, type_name, 13)) is None:
+        return
+    (blocks, rng), (n, k) = made, (577, 512)
+    kernel = gemm.TACTICS[tactic].prepare(blocks, None).gemm
+    scales = kernel.panels[1:3]  # scales and mins
+    assert scales[0].dtype == torch.float16 and all(t.numel() == 0 or t.dtype == torch.float16 for t in scales)
+    floats = tuple(t.float() if t.dtype == torch.float16 else t for t in kernel.panels)
+    x = torch.from_numpy(rng.standard_normal((45, k), dtype=np.float32))
+    for rows in (x[:1], x):
+        want = kernel.op(rows, *floats, *kernel.shared, n)
+        assert torch.equal(kernel(rows), want)
+        assert torch.equal(kernel.experts_op(rows, *kernel.panels, *kernel.shared, n, [0], [0, len(rows)]), want)
+    if type_name == "Q8_0":
+        assert 8 * sum(t.nbytes for t in kernel.panels) / (-(-n // 16) * 16 * k) == 9.5  # values, scale, comp
+        own = gemm.TACTICS[tactic].prepare(torch.randn(n, k) * 0.02, None).gemm
+        assert own.panels[1].dtype == torch.float32
 
 
 @pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS"])

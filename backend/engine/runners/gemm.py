@@ -193,14 +193,22 @@ def _panel_major(t: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(0) if t is None else _panels(t).transpose(1, 2).contiguous()
 
 
+def _narrowest(t: torch.Tensor) -> torch.Tensor:
+    """float16 where every value is one (a GGUF file's own float16 scales), else as it is: the kernels read either as
+    the same float32 numbers."""
+    half = t.half()
+    return half if torch.equal(half.float(), t) else t
+
+
 def _scales_as_read(blocks: Blocks) -> tuple[torch.Tensor, ...]:
     """(scales, mins, scale steps, min steps) of the int8 kernels (kernels/block_scales.h): a K-quant's stored steps
-    under their units in float16 (the file's own d, so exact), else the float32 scales; an empty tensor for each that
-    is not there."""
+    under their units in float16 (the file's own d, so exact), else the scales, in float16 where that holds them
+    exactly; an empty tensor for each that is not there."""
     s = blocks.stored
     if s is None:
         scale = blocks.scale if isinstance(blocks, Q8Blocks) else blocks.d
-        return _panel_major(scale), _panel_major(blocks.m), _panel_major(None), _panel_major(None)
+        return (_narrowest(_panel_major(scale)), _narrowest(_panel_major(blocks.m)), _panel_major(None),
+                _panel_major(None))
     return (_panel_major(s.unit).half(), _panel_major(s.min_unit).half(), _panel_major(s.step),
             _panel_major(s.min_step))
 
