@@ -195,7 +195,8 @@ def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(typ
     """The int8 kernels read a K-quant's scales (and mins) as stored, int8 steps under a float16 unit per 256
     weights (kernels/block_scales.h), and form in registers the products the float32 scales hold: the same outputs
     bit for bit, at 1 row and at 45 (AMX tiles where the CPU has them), alone and as an expert, from 5/16 or less of
-    the scales' bytes (a Q4_K weight in 4.625 bits). Joined (fused q/k/v) and reordered rows (llama.cpp's rotary order) keep them."""
+    the scales' bytes (a Q4_K weight in 4.625 bits). Joined (fused q/k/v) and reordered rows (llama.cpp's rotary
+    order) keep them."""
     rng = np.random.default_rng(11)
     n, k = 577, 512
     blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)

@@ -65,7 +65,7 @@ class Hosts:
         """A namespace for host `name` with the next address, joined to the bridge; returns the address."""
         i = len(self.addresses) + 2
         address, ns, outside, inside = (str(self.subnet.network_address + i), self.namespace(name),
-                                        f"dyv{self.tag}{i}", f"dyp{self.tag}{i}")
+                                        self._bridge_end(i), f"dyp{self.tag}{i}")
         _ip("netns", "add", ns)
         _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", ns)
@@ -80,7 +80,11 @@ class Hosts:
     def link(self, name: str) -> str:
         """The bridge's end of host `name`'s veth pair, in this namespace: its counters (/sys/class/net/<link>/
         statistics) are that host's traffic, what it sent as rx_bytes."""
-        return f"dyv{self.tag}{self.addresses[name].rsplit('.', 1)[1]}"
+        return self._bridge_end(int(self.addresses[name].rsplit(".", 1)[1]))
+
+    def _bridge_end(self, i: int) -> str:
+        """The bridge's end of the veth pair of the host at the subnet's address i."""
+        return f"dyv{self.tag}{i}"
 
     def wrap(self, name: str, argv: list[str]) -> list[str]:
         """`argv` run in host `name`'s namespace (`ip netns exec` execs it: the process keeps the pid)."""

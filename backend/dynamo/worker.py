@@ -159,7 +159,8 @@ class EngineWorker(DynamoEngine):
     async def is_quiescent(self) -> bool | None:
         """Dynamo polls a stopping prefill worker (after its grace period, before cleanup) until this is True: its
         last requests are done and their exports fetched, so the decode workers on their way need not prefill again
-        (the planner scaling prefill workers in). Other roles are not polled."""
+        (the planner scaling prefill workers in). Other roles are not polled. Counted here, not by the loop's
+        num_active, which drops before the finished request's export is put."""
         if self.disagg.server is None:
             return None
         return self._in_flight == 0 and self.disagg.server.num_pending == 0

@@ -1,7 +1,7 @@
 // A panel's scales (or mins) of the int8 GEMMs, one per block of its 16 channels: float32; float16 where the file holds
-// them so (a GGUF Q8_0's, Q4_0's d: exact, 2 bytes a block instead of 4); or as llama.cpp's K-quants
-// store them (models/weight_blocks.py, SuperScales): an int8 step per block times a float16 unit per 256 weights along
-// K (a Q4_K's d * scale6, a Q6_K's d * sc; d is the file's float16, so exact). Each product is exact in float32, so
+// them so (a GGUF Q8_0's, Q4_0's d: exact, 2 bytes a block instead of 4); or as llama.cpp's K-quants store them
+// (models/weight_blocks.py, SuperScales): an int8 step per block times a float16 unit per 256 weights along K (a
+// Q4_K's d * scale6, a Q6_K's d * sc; d is the file's float16, so exact). Each product is exact in float32, so
 // the kernel forms in registers the same numbers the float32 scales hold, from 1 byte a block instead of 4: a Q4_K
 // weight is read in 4.625 bits, not 6 (llama.cpp's own 4.5 packs the steps in 6 bits), and a Q6_K one (its values in
 // 6 bits, q8_0_w8a8.cpp) in 6.56, not 8.

@@ -52,7 +52,8 @@ cores (float32 models in IEEE float32); one tactic per form there, so nothing is
 `int4` keeps the lm_head (the tied embedding: ~21 % of SmolLM2's weights, and the layer a logit error comes out
 of directly) in Q8_0, as llama.cpp's own Q4 files do; `gguf` serves each Linear in its stored form (a fused one of
 mixed forms in parts, each by the tactics of its form; the tactics are timed on Q8_0 for both Q8 scale widths;
-the int8-activation kernels read a K-quant's scales as stored, int8 steps under a float16 unit, the file's d: the same numbers).
+the int8-activation kernels read a K-quant's scales as stored, int8 steps under a float16 unit, the file's d: the
+same numbers).
 Measured and left out: torch's dynamic-quantized Linear (FBGEMM, `quantized::linear_dynamic`) is fast but rounds
 the activations with one scale per tensor; on SmolLM2 its logits kept the float32 argmax at 33 % of positions
 (Q8_0: 88 %), since a few activation channels are far larger than the rest; `aten._weight_int4pack_mm_for_cpu`
