@@ -30,9 +30,12 @@ request when the previous one ends. Options below also read the environment vari
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import itertools
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from functools import cache
@@ -91,16 +94,30 @@ def _add_options(parser) -> None:
 EXIT_GRACE_S = 10.0
 
 
+def _exit_now(exit_code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
 @events.quit.add_listener
 def _exit_even_if_grpc_lingers(exit_code: int, **_) -> None:
-    """After the stats are printed (and just before the CSVs are closed), a real OS thread ends the process if it has
-    not exited EXIT_GRACE_S later: over gRPC, 1 run in ~2 (2026-11-25, 2-core Zen 5) printed its summary, logged
-    "Shutting down (exit code 0)" and then never exited, stuck in interpreter shutdown beside grpc's threads under
-    gevent, until its caller's timeout (tests/test_load_tests.py failed CI rehearsals so)."""
+    """Ends the process with exit_code even where grpc's threads under gevent keep the interpreter from exiting: over
+    gRPC, 1 run in ~2 (2026-11-25, 2-core Zen 5) printed its summary, logged "Shutting down (exit code 0)" and then
+    never exited, until its caller's timeout (tests/test_load_tests.py failed CI rehearsals so). The quit event comes
+    after the stats are printed and before the CSVs are closed; then, in turn:
+    - an atexit hook (registered last, so run first) exits before the interpreter's teardown, where a thread that
+      asks for the GIL is stopped for good (the likely reason the OS thread alone did not end a run that hung so in
+      a full `make test`, 2026-12-02, Zen 4);
+    - a real OS thread exits EXIT_GRACE_S later if the process is stuck before atexit (joining threads);
+    - faulthandler's own C thread (no GIL needed) prints every thread's stack and exits 1 twice as late, so a hang
+      past both is a failure that says where, not a silent timeout."""
     from gevent import monkey
 
+    atexit.register(_exit_now, exit_code)
     sleep, start_thread = monkey.get_original("time", "sleep"), monkey.get_original("_thread", "start_new_thread")
-    start_thread(lambda: (sleep(EXIT_GRACE_S), os._exit(exit_code)), ())
+    start_thread(lambda: (sleep(EXIT_GRACE_S), _exit_now(exit_code)), ())
+    faulthandler.dump_traceback_later(2 * EXIT_GRACE_S, exit=True)
 
 
 @cache
