@@ -154,7 +154,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tactic, type_name):
                                                ("q4_1_w4a8", "Q4_1"), ("q4_1_w4a8", "IQ4_NL")])
 def test_a_files_float16_scales_are_read_in_float16_with_the_same_bits(tactic, type_name):
     """A GGUF block's scale (and min) is the file's float16: the int8 kernels read it so (kernels/block_scales.h,
-    2 bytes a block, not 4; a Q8_0 weight in 9.5 bits, not 10) and give the float32 scales' outputs bit for bit, at 1
+    2 bytes a block, not 4; a Q8_0 weight in 8.5 bits, llama.cpp's) and give the float32 scales' outputs bit for bit, at 1
     row and at 45, alone and as an expert. Scales that float16 cannot hold exactly (our own Q8_0 of float weights)
     stay float32."""
     if (made := _served_blocks(tactic, type_name, 13)) is None:
@@ -170,7 +170,7 @@ def test_a_files_float16_scales_are_read_in_float16_with_the_same_bits(tactic, t
         assert torch.equal(kernel(rows), want)
         assert torch.equal(kernel.experts_op(rows, *kernel.panels, *kernel.shared, n, [0], [0, len(rows)]), want)
     if type_name == "Q8_0":
-        assert 8 * sum(t.nbytes for t in kernel.panels) / (-(-n // 16) * 16 * k) == 9.5  # values, scale, comp
+        assert 8 * sum(t.nbytes for t in kernel.panels) / (-(-n // 16) * 16 * k) == 8.5  # values, scale
         own = gemm.TACTICS[tactic].prepare(torch.randn(n, k) * 0.02, None).gemm
         assert own.panels[1].dtype == torch.float32
 
@@ -209,8 +209,8 @@ def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(typ
     as_stored = gemm.TACTICS[tactic].prepare(blocks, None)
     floats = gemm.TACTICS[tactic].prepare(dataclasses.replace(blocks, stored=None), None)
     kernel, flat = as_stored.gemm, floats.gemm
-    def scale_bytes(k: gemm.PackedKernel) -> int:  # not the weights, nor q8_0_w8a8's comp (int32, read by VNNI)
-        return sum(t.nbytes for t in k.panels[1:] if t.dtype != torch.int32)
+    def scale_bytes(k: gemm.PackedKernel) -> int:  # not the weights
+        return sum(t.nbytes for t in k.panels[1:])
 
     assert scale_bytes(kernel) <= 0.3125 * scale_bytes(flat)  # 1 byte a scale and 2 per 8 or 16, not 4
     if type_name == "Q4_K":  # nibbles, a scale and a min step per 32, their units per 256 (llama.cpp's file: 4.5)
@@ -226,8 +226,8 @@ def test_a_k_quants_scales_read_as_stored_are_its_float32_scales_bit_for_bit(typ
 def test_a_k_quants_16_weight_sub_blocks_are_read_in_6_bits(type_name):
     """The values of a K-quant with a scale per 16 weights fit in 6 bits (Q6_K -32..31, Q3_K -4..3, Q2_K 0..3), and
     q8_0_w8a8 packs them so (kernels/q8_0_w8a8.cpp: 4 bits in the 4-bit kernels' nibble layout, the top 2 in planes
-    beside them) with no comp: 6 bits a weight where int8 values and comp took 10 (as llama.cpp's Q6_K's 6.56 with
-    its scales, ours the same). Exact math on the values is the test above; a weight with a scale per 16 outside 6 bits
+    beside them): 6 bits a weight where int8 values took 8 (as llama.cpp's Q6_K's 6.56 with its scales, ours the
+    same). Exact math on the values is the test above; a weight with a scale per 16 outside 6 bits
     is refused by name."""
     if not w8a8_runs_here():
         return
@@ -235,9 +235,9 @@ def test_a_k_quants_16_weight_sub_blocks_are_read_in_6_bits(type_name):
     n, k = 577, 512
     blocks = from_gguf(type_name, random_raw(GGMLQuantizationType[type_name], n, k, rng, 0.01), n, k)
     kernel = gemm.TACTICS["q8_0_w8a8"].prepare(blocks, None).gemm
-    packed, scales, mins, comp, scale_steps, min_steps = kernel.panels
+    packed, scales, mins, scale_steps, min_steps = kernel.panels
     panels = -(-n // 16)
-    assert packed.dtype == torch.uint8 and packed.shape == (panels, k // 32, 384) and comp.numel() == 0
+    assert packed.dtype == torch.uint8 and packed.shape == (panels, k // 32, 384)
     bits = 8 * sum(t.nbytes for t in kernel.panels) / (panels * 16 * k)
     # 6 bits, an int8 step per 16 and a float16 unit per 256 (and as many for Q2_K's mins); Q3_K and Q2_K: 6-bit
     # values of their 3.4 and 2.6 bits

@@ -8,21 +8,24 @@
 // values (llama.cpp's Q8_1 activations).
 // A K-quant's scales and mins may come as stored, int8 steps under a float16 unit per 256 weights (block_scales.h).
 //
-// vpdpbusd multiplies unsigned by signed bytes: x goes in as q + 128 (1..255), and each block's sum carries
-// 128 * sum(w), which the accumulator starts from minus (the `comp` input). Packed W (gemm.py): panels of 16
-// output channels, 4 consecutive k per channel together ([K/4][16][4] int8), so one 64-byte load feeds 16 lanes.
-// With AVX2 only (AMD Zen 3), llama.cpp's ggml_vec_dot_q8_0_q8_0 form: vpmaddubsw multiplies |w| by x carrying w's
-// sign (vpsignb; a pair's sum, at most 2 x 128 x 127, fits int16), vpmaddwd adds the pairs into int32, 8 channels a
-// vector: the same exact int32 dot products and the same float work after them, so the same result bit for bit.
+// vpdpbusd multiplies unsigned by signed bytes: the weights are held as u = w + 128 (w ^ 0x80, 0..255) and x signed,
+// so each block's sum carries 128 * sum(x), which the accumulator starts from minus: a figure of x (per row and
+// block, made as x is rounded), not of W, so W carries nothing beside its values and scales (8.5 bits a weight with
+// a GGUF Q8_0's float16 scales, as llama.cpp reads it).
+// Packed W (gemm.py): panels of 16 output channels, 4 consecutive k per channel together ([K/4][16][4] bytes), so one
+// 64-byte load feeds 16 lanes. With AVX2 only (AMD Zen 3), llama.cpp's ggml_vec_dot_q8_0_q8_0 form on w = u ^ 0x80:
+// vpmaddubsw multiplies |w| by x carrying w's sign (vpsignb; a pair's sum, at most 2 x 128 x 127, fits int16),
+// vpmaddwd adds the pairs into int32, 8 channels a vector: the same exact int32 dot products and the same float work
+// after them, so the same result bit for bit.
 //
 // 6-bit weights (a scale per 16) are u = q + 32 in 0..63, as llama.cpp's Q6_K holds them: their low 4 bits in
 // q4_1_w4a8.cpp's layout (a block's 4 groups of [16 channels][4 k] bytes, a byte's low nibble k = 4g + j of the
 // first sub-block, its high one 16 + 4g + j of the second) and their top 2 bits in two 64-byte planes (bits 2g and
 // 2g + 1 of a byte: group g's low nibbles in the first plane, its high ones in the second), 384 bytes a block of a
 // panel. There u is the unsigned operand and x the signed one (vpdpbusd; AVX2's vpmaddubsw, whose pair sums, at most
-// 2 x 63 x 128, fit int16), so there is no comp: each sub-block's dot product less 32 * sum(x) over its 16 values is
+// 2 x 63 x 128, fit int16), as for 8-bit ones: each sub-block's dot product less 32 * sum(x) over its 16 values is
 // sum(q x) exactly, the 8-bit layout's, and the float work after it is the same: the same result bit for bit, from
-// 6.6 bits a weight instead of 10.6 (8, and 2 of comp).
+// 6.6 bits a weight instead of 8.6.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,21 +54,19 @@ constexpr int64_t kSixBitBlock = kBlock * kPanel * 6 / 8;  // a 6-bit panel's bl
 constexpr int kRows = 12;  // rows of x per microkernel call: 12 int32 + 12 float accumulators
 #define LLM_W8A8 1
 
-// One block of 32 floats -> 32 bytes q ^ offset (q, or with offset 0x80 q + 128), the block's scale (max|x| / 127),
-// and -32 * sum(q) and scale * sum(q) of each 16 values; round half to even.
-inline void quantize_block(const float* x, uint8_t* q, float* scale, int32_t* six_bit_start, float* scaled_sums,
-                           uint8_t offset) {
+// One block of 32 floats -> 32 int8 q, the block's scale (max|x| / 127), the dot products' starts (-32 * sum(q) of
+// each 16 values, -128 * sum(q) of all 32) and scale * sum(q) of each 16 values; round half to even.
+inline void quantize_block(const float* x, int8_t* q, float* scale, int32_t* starts, float* scaled_sums) {
   const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
   const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   *scale = m / 127.f;
   const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
   const __m512i r0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, inv), _MM_FROUND_TO_NEAREST_INT));
   const __m512i r1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, inv), _MM_FROUND_TO_NEAREST_INT));
-  const __m128i flip = _mm_set1_epi8(static_cast<char>(offset));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_xor_si128(_mm512_cvtsepi32_epi8(r0), flip));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_xor_si128(_mm512_cvtsepi32_epi8(r1), flip));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(r0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(r1));
   const int32_t sums[2] = {_mm512_reduce_add_epi32(r0), _mm512_reduce_add_epi32(r1)};
-  six_bit_start[0] = -32 * sums[0], six_bit_start[1] = -32 * sums[1];
+  starts[0] = -32 * sums[0], starts[1] = -32 * sums[1], starts[2] = -128 * (sums[0] + sums[1]);
   scaled_sums[0] = *scale * static_cast<float>(sums[0]);
   scaled_sums[1] = *scale * static_cast<float>(sums[1]);
 }
@@ -74,8 +75,7 @@ constexpr int kRows = 4;  // with two 8-channel halves per row: 8 float + 4 int3
 #define LLM_W8A8 1
 
 // quantize_block of the AVX-512 build, a lane at a time: the same rounding (half to even), bytes and sums.
-inline void quantize_block(const float* x, uint8_t* q, float* scale, int32_t* six_bit_start, float* scaled_sums,
-                           uint8_t offset) {
+inline void quantize_block(const float* x, int8_t* q, float* scale, int32_t* starts, float* scaled_sums) {
   float m = 0.f;
   for (int i = 0; i < kBlock; ++i) m = std::max(m, std::fabs(x[i]));
   *scale = m / 127.f;
@@ -83,10 +83,10 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale, int32_t* si
   int32_t sums[2] = {0, 0};
   for (int i = 0; i < kBlock; ++i) {
     const int v = static_cast<int>(std::nearbyint(x[i] * inv));
-    q[i] = static_cast<uint8_t>(v) ^ offset;
+    q[i] = static_cast<int8_t>(v);
     sums[i / 16] += v;
   }
-  six_bit_start[0] = -32 * sums[0], six_bit_start[1] = -32 * sums[1];
+  starts[0] = -32 * sums[0], starts[1] = -32 * sums[1], starts[2] = -128 * (sums[0] + sums[1]);
   scaled_sums[0] = *scale * static_cast<float>(sums[0]);
   scaled_sums[1] = *scale * static_cast<float>(sums[1]);
 }
@@ -94,38 +94,40 @@ inline void quantize_block(const float* x, uint8_t* q, float* scale, int32_t* si
 
 #if defined(LLM_W8A8)
 
-// x as one call rounds it: per row its K bytes, q + 128 for the VNNI operand of 8-bit weights (unsigned x), else q,
-// and per 32 values the scale, then per 16 values -32 * sum(q) (where a 6-bit weight's dot products start: a vector
-// broadcast from memory) and scale * sum(q). The rows from m on: from(m).
+// x as one call rounds it: per row its K int8 values, per 32 the scale and 3 starts (where a 6-bit weight's dot
+// products start, -32 * sum(q) per 16 values, and an 8-bit one's, -128 * sum(q): vectors broadcast from memory), then
+// per 16 values scale * sum(q). The rows from m on: from(m).
 struct Rounded {
-  const uint8_t* q;
+  const int8_t* q;
   const float* scale;
-  const int32_t* six_bit_start;
+  const int32_t* starts;
   const float* scaled_sums;
   int64_t K;
 
   Rounded from(int64_t m) const {
     const int64_t nb = K / kBlock;
-    return {q + m * K, scale + m * nb, six_bit_start + m * 2 * nb, scaled_sums + m * 2 * nb, K};
+    return {q + m * K, scale + m * nb, starts + m * 3 * nb, scaled_sums + m * 2 * nb, K};
   }
   int32_t four(int i, int64_t k) const {  // x's 4 bytes at k of row i
     int32_t v;
     std::memcpy(&v, q + i * K + k, 4);
     return v;
   }
+  const int32_t& start(int i, int64_t b, int s) const {  // row i's block b: s 0, 1 its 16-value halves', 2 all 32's
+    return starts[(i * (K / kBlock) + b) * 3 + s];
+  }
 };
 
-// Pointers to one panel: its weights, scales (and mins) and compensations, as `q8_0_w8a8_linear` takes them.
+// Pointers to one panel: its weights, scales (and mins), as `q8_0_w8a8_linear` takes them.
 struct Panel {
-  const int8_t* w;  // [K / 4][16][4] int8, or with 6 bits (SUB 2) [K / 32][384] bytes
+  const uint8_t* w;  // [K / 4][16][4] u = w + 128, or with 6 bits (SUB 2) [K / 32][384] bytes
   llm_kernels::BlockScales scales;  // block_scales.h
   llm_kernels::BlockScales mins;  // w ~ q * scale + min (GGUF Q5_1, Q5_K, Q2_K), as the scales: min * sum(x) joins
-  const int32_t* comp;  // 8-bit weights' 128 * sum(w) per block, negated; 6-bit ones have none
 
   // Panel p of these (all panels'), for K input features and `sub` weight scales per 32 values along K.
   Panel nth(int64_t p, int64_t K, int64_t sub) const {
     const int64_t n = K / kBlock * sub, bytes = sub == 1 ? K * kPanel : K / kBlock * kSixBitBlock;
-    return {w + p * bytes, scales.nth(p, n), mins.nth(p, n), comp ? comp + p * n * kPanel : nullptr};
+    return {w + p * bytes, scales.nth(p, n), mins.nth(p, n)};
   }
 };
 
@@ -162,9 +164,8 @@ inline void six_bit_group(const uint8_t* wb, const Rounded& x, int64_t b, __m512
 // turns, not both at once: 12 rows' two int32 accumulators and their float ones would not fit in 32 registers.
 template <int MR, int S>
 inline void six_bit_dots(const uint8_t* wb, const Rounded& x, int64_t b, __m512i* dot) {
-  const int64_t nb = x.K / kBlock;
 #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(x.six_bit_start[i * 2 * nb + 2 * b + S]);
+  for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(x.start(i, b, S));
   six_bit_group<MR, S, 0>(wb, x, b, dot);
   six_bit_group<MR, S, 1>(wb, x, b, dot);
   six_bit_group<MR, S, 2>(wb, x, b, dot);
@@ -194,9 +195,8 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
     }
   };
   if constexpr (SUB == 2) {  // 6 bits
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* wb = w + b * kSixBitBlock;
+      const uint8_t* wb = p.w + b * kSixBitBlock;
       if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's work
         for (int l = 0; l < kSixBitBlock; l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kSixBitBlock + l), _MM_HINT_T0);
@@ -208,20 +208,19 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
     }
   } else {
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* wb = p.w + b * kBlock * kPanel;
+      const uint8_t* wb = p.w + b * kBlock * kPanel;
       if (prefetch)
         for (int l = 0; l < kBlock * kPanel; l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
       __m512i dot[MR];
-      const __m512i comp = _mm512_loadu_si512(p.comp + b * kPanel);
 #pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) dot[i] = comp;
+      for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(x.start(i, b, 2));
 #pragma GCC unroll 8
       for (int g = 0; g < kBlock / 4; ++g) {
-        const __m512i w = _mm512_loadu_si512(wb + g * 4 * kPanel);
+        const __m512i u = _mm512_loadu_si512(wb + g * 4 * kPanel);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i)
-          dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_set1_epi32(x.four(i, b * kBlock + 4 * g)), w);
+          dot[i] = _mm512_dpbusd_epi32(dot[i], u, _mm512_set1_epi32(x.four(i, b * kBlock + 4 * g)));
       }
       add(dot, b, 0);
     }
@@ -262,9 +261,8 @@ inline void six_bit_group(const uint8_t* wb, int h, const Rounded& x, int64_t b,
 
 template <int MR, int S>
 inline void six_bit_dots(const uint8_t* wb, int h, const Rounded& x, int64_t b, __m256i* dot) {
-  const int64_t nb = x.K / kBlock;
 #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) dot[i] = _mm256_set1_epi32(x.six_bit_start[i * 2 * nb + 2 * b + S]);
+  for (int i = 0; i < MR; ++i) dot[i] = _mm256_set1_epi32(x.start(i, b, S));
   six_bit_group<MR, S, 0>(wb, h, x, b, dot);
   six_bit_group<MR, S, 1>(wb, h, x, b, dot);
   six_bit_group<MR, S, 2>(wb, h, x, b, dot);
@@ -295,9 +293,8 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
     }
   };
   if constexpr (SUB == 2) {  // 6 bits
-    const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w);
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* wb = w + b * kSixBitBlock;
+      const uint8_t* wb = p.w + b * kSixBitBlock;
       if (prefetch)
         for (int l = 0; l < kSixBitBlock; l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kSixBitBlock + l), _MM_HINT_T0);
@@ -312,7 +309,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
     }
   } else {
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* wb = p.w + b * kBlock * kPanel;
+      const uint8_t* wb = p.w + b * kBlock * kPanel;
       if (prefetch)
         for (int l = 0; l < kBlock * kPanel; l += 64)
           _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
@@ -323,7 +320,8 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
         for (int i = 0; i < MR; ++i) dot[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int g = 0; g < kBlock / 4; ++g) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 4 * kPanel + h * 32));
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 4 * kPanel + h * 32));
+          const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
           const __m256i aw = _mm256_abs_epi8(w);
 #pragma GCC unroll 16
           for (int i = 0; i < MR; ++i) {
@@ -384,9 +382,10 @@ void panels(const Rounded& x, Panel all, float* py, int64_t N, int64_t num_panel
 }
 
 #if defined(LLM_AMX) && defined(__AMX_INT8__)
-// With AMX-INT8 (Intel Xeon since Sapphire Rapids), 16 rows at a time: one tile multiply (tdpbusd) takes a block's
-// 16 x 16 x 32 products, where VNNI spends 128 instructions. Per block the int32 tile goes through memory into the
-// microkernel's float work (from comp, times the scales, summed over blocks in order): the same result, bit for bit.
+// With AMX-INT8 (Intel Xeon since Sapphire Rapids), 16 rows at a time: one tile multiply (tdpbsud: x signed, u
+// unsigned) takes a block's 16 x 16 x 32 products, where VNNI spends 128 instructions. Per block the int32 tile goes
+// through memory into the microkernel's float work (plus the row's -128 * sum(x), times the scales, summed over
+// blocks in order): the same result, bit for bit.
 // The last M % 16 rows go through the microkernel while the panel is in cache. A scale per 32 only (Q8_0; SUB 2 is a
 // GGUF K-quant's 6-bit sub-blocks, which stay on VNNI).
 template <bool MIN>
@@ -409,19 +408,20 @@ void amx_panels(const Rounded& x, int64_t M, Panel all, float* py, int64_t N, in
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
-          const int8_t* wb = one.w + b * kBlock * kPanel;
+          const uint8_t* wb = one.w + b * kBlock * kPanel;
           if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
             for (int l = 0; l < kBlock * kPanel; l += 64)
               _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T0);
           _tile_loadd(0, x.q + m * K + b * kBlock, K);
           _tile_loadd(2, wb, 4 * kPanel);
-          _tile_loadd(4, one.comp + b * kPanel, 0);  // every row starts from the block's comp
-          _tile_dpbusd(4, 0, 2);
+          _tile_zero(4);
+          _tile_dpbsud(4, 0, 2);
           _tile_stored(4, &c[0][0], 4 * kPanel);
           const __m512 ws = one.scales.sixteen(b);
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
-            const __m512i dot = _mm512_load_si512(&c[i][0]);
+            const __m512i dot = _mm512_add_epi32(_mm512_load_si512(&c[i][0]),
+                                                 _mm512_set1_epi32(x.start(m + i, b, 2)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[(m + i) * nb + b])),
                                      acc[i]);
           }
@@ -447,30 +447,25 @@ void amx_panels(const Rounded& x, int64_t M, Panel all, float* py, int64_t N, in
 
 // y = x @ W^T, or with groups each group of x's rows times its own expert's W (expert_groups.h).
 at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const at::Tensor& mins, const at::Tensor& comp, const at::Tensor& scale_steps,
-                     const at::Tensor& min_steps, int64_t out_features,
-                     const std::optional<llm_kernels::ExpertGroups>& experts) {
+                     const at::Tensor& mins, const at::Tensor& scale_steps, const at::Tensor& min_steps,
+                     int64_t out_features, const std::optional<llm_kernels::ExpertGroups>& experts) {
 #if defined(LLM_W8A8)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, op,
               ": x [M, K] float32 contiguous expected");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, stacked = packed.size(0), nb = K / kBlock;
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(K % kBlock == 0, op, ": in_features must be a multiple of 32, got ", K);
-  // 8-bit weights [panels, K / 4, 16, 4] int8 with a scale per 32 and comp; or 6-bit ones [panels, K / 32, 384] with
-  // a scale per 16 and no comp
+  // 8-bit weights [panels, K / 4, 16, 4] (u = w + 128) with a scale per 32; or 6-bit ones [panels, K / 32, 384] with a
+  // scale per 16
   const bool six_bits = packed.dim() == 3;
   TORCH_CHECK(packed.is_contiguous() && stacked >= num_panels &&
                   (six_bits ? packed.scalar_type() == at::kByte && packed.size(1) == nb && packed.size(2) == kSixBitBlock
-                            : packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(1) == K / 4 &&
+                            : packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(1) == K / 4 &&
                                   packed.size(2) == kPanel && packed.size(3) == 4),
-              op, ": weight packed [panels, K / 4, 16, 4] int8 or [panels, K / 32, ", kSixBitBlock,
+              op, ": weight packed [panels, K / 4, 16, 4] uint8 or [panels, K / 32, ", kSixBitBlock,
               "] uint8 (6 bits) for in_features ", K, " expected");
   const llm_kernels::ExpertGroups groups = experts ? *experts : llm_kernels::ExpertGroups::one(M);
   TORCH_CHECK(experts || stacked == num_panels, op, ": ", stacked, " panels for ", N, " out_features");
-  TORCH_CHECK(six_bits ? comp.numel() == 0
-                       : comp.is_contiguous() && comp.dim() == 3 && comp.size(0) == stacked && comp.size(1) == nb &&
-                             comp.size(2) == kPanel && comp.scalar_type() == at::kInt,
-              op, ": comp [panels, K / 32, 16] int32 with 8-bit weights, none with 6-bit ones, expected");
   const int64_t sub = six_bits ? 2 : 1;  // weight scales per 32 values along K
   const llm_kernels::BlockScales ws = llm_kernels::block_scales(op, "scales", scales, scale_steps, stacked, nb * sub,
                                                                 8 * sub);
@@ -478,25 +473,20 @@ at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& pack
   TORCH_CHECK(ws.given(), op, ": scales expected");
   const bool with_mins = wm.given();  // none: empty tensors
   const size_t q_bytes = llm_kernels::aligned64(M * K), s_bytes = llm_kernels::aligned64(M * nb * sizeof(float));
-  const size_t start_bytes = llm_kernels::aligned64(2 * M * nb * sizeof(int32_t));
+  const size_t start_bytes = llm_kernels::aligned64(3 * M * nb * sizeof(int32_t));
   char* scratch = llm_kernels::thread_scratch(q_bytes + s_bytes + start_bytes + 2 * M * nb * sizeof(float));
   const float* px = x.data_ptr<float>();
-  uint8_t* pxq = reinterpret_cast<uint8_t*>(scratch);
+  int8_t* pxq = reinterpret_cast<int8_t*>(scratch);
   float* pxs = reinterpret_cast<float*>(scratch + q_bytes);
   int32_t* pxstart = reinterpret_cast<int32_t*>(scratch + q_bytes + s_bytes);
   float* pxscaled = reinterpret_cast<float*>(scratch + q_bytes + s_bytes + start_bytes);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const uint8_t offset = six_bits ? 0 : 0x80;  // vpdpbusd's unsigned operand: x for 8-bit weights, the weight for 6-bit
-#else
-  const uint8_t offset = 0;  // vpmaddubsw takes x signed both ways
-#endif
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxstart + 2 * i, pxscaled + 2 * i, offset);
+      quantize_block(px + i * kBlock, pxq + i * kBlock, pxs + i, pxstart + 3 * i, pxscaled + 2 * i);
   });
   const Rounded rounded{pxq, pxs, pxstart, pxscaled, K};
   auto y = at::empty({M, N}, x.options());
-  const Panel all{static_cast<const int8_t*>(packed.data_ptr()), ws, wm, six_bits ? nullptr : comp.data_ptr<int32_t>()};
+  const Panel all{packed.data_ptr<uint8_t>(), ws, wm};
   float* py = y.data_ptr<float>();
 #if defined(LLM_AMX) && defined(__AMX_INT8__)
   if (!experts && !six_bits && M >= 16 && llm_kernels::amx_permitted()) {  // experts' groups stay on VNNI: the same bits
@@ -516,18 +506,16 @@ at::Tensor q8_0_w8a8(const char* op, const at::Tensor& x, const at::Tensor& pack
 }
 
 at::Tensor q8_0_w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                            const at::Tensor& mins, const at::Tensor& comp, const at::Tensor& scale_steps,
-                            const at::Tensor& min_steps, int64_t out_features) {
-  return q8_0_w8a8("q8_0_w8a8_linear", x, packed, scales, mins, comp, scale_steps, min_steps, out_features,
-                   std::nullopt);
+                            const at::Tensor& mins, const at::Tensor& scale_steps, const at::Tensor& min_steps,
+                            int64_t out_features) {
+  return q8_0_w8a8("q8_0_w8a8_linear", x, packed, scales, mins, scale_steps, min_steps, out_features, std::nullopt);
 }
 
 at::Tensor q8_0_w8a8_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                             const at::Tensor& mins, const at::Tensor& comp, const at::Tensor& scale_steps,
-                             const at::Tensor& min_steps, int64_t out_features, at::IntArrayRef experts,
-                             at::IntArrayRef offsets) {
+                             const at::Tensor& mins, const at::Tensor& scale_steps, const at::Tensor& min_steps,
+                             int64_t out_features, at::IntArrayRef experts, at::IntArrayRef offsets) {
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  return q8_0_w8a8("q8_0_w8a8_experts", x, packed, scales, mins, comp, scale_steps, min_steps, out_features,
+  return q8_0_w8a8("q8_0_w8a8_experts", x, packed, scales, mins, scale_steps, min_steps, out_features,
                    llm_kernels::ExpertGroups::of("q8_0_w8a8_experts", experts, offsets, x.size(0), packed.size(0),
                                                  panels));
 }
@@ -535,10 +523,10 @@ at::Tensor q8_0_w8a8_experts(const at::Tensor& x, const at::Tensor& packed, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
-  m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, Tensor scale_steps, "
-        "Tensor min_steps, int out_features) -> Tensor");
-  m.def("q8_0_w8a8_experts(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor comp, Tensor scale_steps, "
-        "Tensor min_steps, int out_features, int[] experts, int[] offsets) -> Tensor");
+  m.def("q8_0_w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor scale_steps, Tensor min_steps, "
+        "int out_features) -> Tensor");
+  m.def("q8_0_w8a8_experts(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor scale_steps, Tensor min_steps, "
+        "int out_features, int[] experts, int[] offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) {

@@ -241,14 +241,12 @@ def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Ge
     (n, k), q, b = blocks.q.shape, _panels(blocks.q), blocks.block
     scales, mins, scale_steps, min_steps = _scales_as_read(blocks)
     if b == 16:  # a K-quant's 16-weight sub-blocks (Q6_K, Q3_K, Q2_K): 6-bit values, read in 6 bits
-        packed, comp = _six_bits(q), torch.empty(0, dtype=torch.int32)
-    else:
-        packed = q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()  # 4 consecutive k of a channel together
-        # each block's dot product of (x + 128) and w carries 128 * sum(w): the accumulator starts from minus that
-        comp = (-128 * q.view(-1, 16, k // b, b).sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()
+        packed = _six_bits(q)
+    else:  # 4 consecutive k of a channel together, as u = w + 128 (vpdpbusd's unsigned operand; the kernel's doc)
+        packed = (q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous().view(torch.uint8) ^ 0x80)
     ops = torch.ops.llm_kernels
     return _float_bias(bias, PackedKernel(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts,
-                                          (packed, scales, mins, comp, scale_steps, min_steps), (), n))
+                                          (packed, scales, mins, scale_steps, min_steps), (), n))
 
 
 def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Gemm:
