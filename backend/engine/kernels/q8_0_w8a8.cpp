@@ -46,6 +46,11 @@
 
 namespace {
 
+// The block loops' helpers that take the accumulators by pointer are forced inline: GCC had left six_bit_dots and the
+// microkernels' `add` calls of their own, the dot products stored to memory and loaded back around every call (a
+// 1-row Q6_K GEMM ran at 14 GB/s a thread from DRAM, AMD Zen 4).
+#define ALWAYS_INLINE __attribute__((always_inline))
+
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanel = 16;
 constexpr int64_t kSixBitBlock = kBlock * kPanel * 6 / 8;  // a 6-bit panel's block: 256 nibble bytes, 128 of top bits
@@ -135,7 +140,7 @@ struct Panel {
 // Group g's top 2 bits of each byte of a plane (bits 2g, 2g + 1) at bits 4 and 5, the other bits zero; u's nibbles
 // or'ed with them make u.
 template <int G>
-inline __m512i top_bits(__m512i plane) {
+ALWAYS_INLINE inline __m512i top_bits(__m512i plane) {
   const __m512i mask = _mm512_set1_epi8(0x30);
   if constexpr (G < 2) return _mm512_and_si512(_mm512_slli_epi16(plane, 4 - 2 * G), mask);
   else if constexpr (G == 2) return _mm512_and_si512(plane, mask);
@@ -145,7 +150,7 @@ inline __m512i top_bits(__m512i plane) {
 // u of a 6-bit block's group G of sub-block S (0: the low nibbles, with the first plane's top bits; 1: the high ones,
 // with the second plane's).
 template <int S, int G>
-inline __m512i six_bit_u(const uint8_t* wb) {
+ALWAYS_INLINE inline __m512i six_bit_u(const uint8_t* wb) {
   const __m512i v = _mm512_loadu_si512(wb + G * 64), plane = _mm512_loadu_si512(wb + 256 + 64 * S);
   return _mm512_or_si512(_mm512_and_si512(S == 0 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)),
                          top_bits<G>(plane));
@@ -153,7 +158,7 @@ inline __m512i six_bit_u(const uint8_t* wb) {
 
 // Group G of sub-block S of a 6-bit block into each row's dot product.
 template <int MR, int S, int G>
-inline void six_bit_group(const uint8_t* wb, const Rounded& x, int64_t b, __m512i* dot) {
+ALWAYS_INLINE inline void six_bit_group(const uint8_t* wb, const Rounded& x, int64_t b, __m512i* dot) {
   const __m512i u = six_bit_u<S, G>(wb);
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
@@ -163,7 +168,7 @@ inline void six_bit_group(const uint8_t* wb, const Rounded& x, int64_t b, __m512
 // Sub-block S of a 6-bit block: each row's sum(q x) over its 16 values, from -32 * sum(x) on. The sub-blocks take
 // turns, not both at once: 12 rows' two int32 accumulators and their float ones would not fit in 32 registers.
 template <int MR, int S>
-inline void six_bit_dots(const uint8_t* wb, const Rounded& x, int64_t b, __m512i* dot) {
+ALWAYS_INLINE inline void six_bit_dots(const uint8_t* wb, const Rounded& x, int64_t b, __m512i* dot) {
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(x.start(i, b, S));
   six_bit_group<MR, S, 0>(wb, x, b, dot);
@@ -179,7 +184,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   // each sub-block's int32 dot products into the accumulators, in order: times scale and x's scale, then the min's
-  const auto add = [&](const __m512i* dot, int64_t b, int64_t s) {
+  const auto add = [&](const __m512i* dot, int64_t b, int64_t s) ALWAYS_INLINE {
     const __m512 ws = p.scales.sixteen(b * SUB + s);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
@@ -232,15 +237,16 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
 #else
 // Group g's top 2 bits of each byte of a plane at bits 4 and 5 (as the AVX-512 build's).
 template <int G>
-inline __m256i top_bits(__m256i plane) {
+ALWAYS_INLINE inline __m256i top_bits(__m256i plane) {
   const __m256i mask = _mm256_set1_epi8(0x30);
   if constexpr (G < 2) return _mm256_and_si256(_mm256_slli_epi16(plane, 4 - 2 * G), mask);
   else if constexpr (G == 2) return _mm256_and_si256(plane, mask);
   else return _mm256_and_si256(_mm256_srli_epi16(plane, 2), mask);
 }
 
+// channels 8h .. 8h + 7 of the AVX-512 build's six_bit_u
 template <int S, int G>
-inline __m256i six_bit_u(const uint8_t* wb, int h) {  // channels 8h .. 8h + 7 of the AVX-512 build's six_bit_u
+ALWAYS_INLINE inline __m256i six_bit_u(const uint8_t* wb, int h) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + G * 64 + h * 32));
   const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 256 + 64 * S + h * 32));
   return _mm256_or_si256(_mm256_and_si256(S == 0 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)),
@@ -250,7 +256,7 @@ inline __m256i six_bit_u(const uint8_t* wb, int h) {  // channels 8h .. 8h + 7 o
 // Channels 8h .. 8h + 7 of group G of a 6-bit block's sub-block S into each row's dot product (int32), as the
 // AVX-512 build's.
 template <int MR, int S, int G>
-inline void six_bit_group(const uint8_t* wb, int h, const Rounded& x, int64_t b, __m256i* dot) {
+ALWAYS_INLINE inline void six_bit_group(const uint8_t* wb, int h, const Rounded& x, int64_t b, __m256i* dot) {
   const __m256i ones = _mm256_set1_epi16(1), u = six_bit_u<S, G>(wb, h);
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
@@ -260,7 +266,7 @@ inline void six_bit_group(const uint8_t* wb, int h, const Rounded& x, int64_t b,
 }
 
 template <int MR, int S>
-inline void six_bit_dots(const uint8_t* wb, int h, const Rounded& x, int64_t b, __m256i* dot) {
+ALWAYS_INLINE inline void six_bit_dots(const uint8_t* wb, int h, const Rounded& x, int64_t b, __m256i* dot) {
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) dot[i] = _mm256_set1_epi32(x.start(i, b, S));
   six_bit_group<MR, S, 0>(wb, h, x, b, dot);
@@ -277,7 +283,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   // channels 8h .. 8h + 7 of each sub-block's int32 dot products into the accumulators, as the AVX-512 build's
-  const auto add = [&](const __m256i* dot, int64_t b, int64_t s, int h) {
+  const auto add = [&](const __m256i* dot, int64_t b, int64_t s, int h) ALWAYS_INLINE {
     const __m256 ws = p.scales.eight(b * SUB + s, h);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
