@@ -104,9 +104,11 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = wp + b * kPanelBytes;
-    if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's work
+    // the next panel follows this one: DRAM's latency hides behind this panel's work. Into L2 (T1): into L1 (T0),
+    // the next panel's lines, 16-20 KB ahead, evicted this one's (Qwen3-4B Q4_K_M at batch 1, Zen 4: 125 -> 90 ms)
+    if (prefetch)
       for (int l = 0; l < kPanelBytes; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T1);
     __m512i dot[MR];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
@@ -149,7 +151,7 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
     const uint8_t* wb = wp + b * kPanelBytes;
     if (prefetch)
       for (int l = 0; l < kPanelBytes; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T1);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7
       __m256i dot[MR];
@@ -276,7 +278,7 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
         for (int64_t b = 0; b < nb; ++b) {
           if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
             for (int l = 0; l < kPanelBytes; l += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(wp + (nb + b) * kPanelBytes + l), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(wp + (nb + b) * kPanelBytes + l), _MM_HINT_T1);
           _tile_loadd(0, xq + r * K + b * kBlock, K);
           _tile_loadd(2, wide.data() + b * 512, 64);
           _tile_zero(4);

@@ -65,7 +65,7 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
     const __m512 min = MIN ? _mm512_loadu_ps(mp + b * kPanel) : _mm512_setzero_ps();
     if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's FMAs
       for (int l = 0; l < kBlock * kPanel; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T1);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
       const __m512 w = widen<MIN>(wp + k * kPanel, scale, min);
 #pragma GCC unroll 16
@@ -98,7 +98,7 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
     const __m256 m1 = MIN ? _mm256_loadu_ps(mp + b * kPanel + 8) : _mm256_setzero_ps();
     if (prefetch)
       for (int l = 0; l < kBlock * kPanel; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T1);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + k * kPanel));
       const __m256 w0 = widen<MIN>(bytes, s0, m0), w1 = widen<MIN>(_mm_srli_si128(bytes, 8), s1, m1);
