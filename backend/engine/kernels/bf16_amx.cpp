@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "prefetch.h"
 #include "work_queue.h"
 
 namespace {
@@ -99,9 +100,8 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const 
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < blocks; ++kb) {
-          if (next && m0 == 0)
-            for (int64_t line = 0; line < 512; line += 32)  // the next panel's k-block: 16 cache lines
-              _mm_prefetch(reinterpret_cast<const char*>(next + kb * 512 + line), _MM_HINT_T1);
+          // the next panel's k-block
+          if (next && m0 == 0) llm_kernels::prefetch_l2(next + kb * 512, 512 * sizeof(uint16_t));
           _tile_loadd(6, wp + kb * 512, 64);
           const uint16_t* const* a = row_tiles.data() + m0 / 16;
           _tile_loadd(4, a[0] + kb * kDepth, Kp * 2);

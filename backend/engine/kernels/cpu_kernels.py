@@ -6,7 +6,8 @@ the GEMM and the bfloat16 prefill attention where the CPU has AMX-BF16. The GEMM
 threads take their items from shares that a thread done with its own takes from (work_queue.h); the int8 GEMMs
 quantize their activations into memory the calling thread keeps (scratch.h); a mixture-of-experts layer's experts
 run in one int8 GEMM call (expert_groups.h), its tokens grouped by expert and their outputs summed in one call
-each (expert_routing.cpp); a K-quant's scales are read as stored (block_scales.h).
+each (expert_routing.cpp); a K-quant's scales are read as stored (block_scales.h); the weight GEMMs prefetch their
+next panel into L2 (prefetch.h).
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them) into one shared library, `<cache>/<cpu>/llm_kernels-<key>.so` under `$LLM_KERNEL_CACHE` or
@@ -47,7 +48,7 @@ SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_lin
            HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp",
            HERE / "expert_routing.cpp")
 HEADERS = (HERE / "cpu_math.h", HERE / "amx.h", HERE / "scratch.h", HERE / "work_queue.h", HERE / "expert_groups.h",
-           HERE / "block_scales.h")
+           HERE / "block_scales.h", HERE / "prefetch.h")
 REPO_ROOT = HERE.parents[2]
 PROGRESS_S = 10.0  # a build logs how far it is this often
 _lock = threading.Lock()

@@ -34,6 +34,7 @@
 #include "block_scales.h"
 #include "expert_groups.h"
 #include "scratch.h"
+#include "prefetch.h"
 #include "work_queue.h"
 
 namespace {
@@ -104,11 +105,7 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = wp + b * kPanelBytes;
-    // the next panel follows this one: DRAM's latency hides behind this panel's work. Into L2 (T1): into L1 (T0),
-    // the next panel's lines, 16-20 KB ahead, evicted this one's (a 1B Q4_K_M batch-1 step 1.22x longer, Zen 4)
-    if (prefetch)
-      for (int l = 0; l < kPanelBytes; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T1);
+    if (prefetch) llm_kernels::prefetch_l2(wb + nb * kPanelBytes, kPanelBytes);  // the next panel follows this one
     __m512i dot[MR];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
@@ -149,9 +146,7 @@ inline void microkernel(const int8_t* xq, const float* xd, const float* xs, int6
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = wp + b * kPanelBytes;
-    if (prefetch)
-      for (int l = 0; l < kPanelBytes; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kPanelBytes + l), _MM_HINT_T1);
+    if (prefetch) llm_kernels::prefetch_l2(wb + nb * kPanelBytes, kPanelBytes);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7
       __m256i dot[MR];
@@ -277,8 +272,7 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
           if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
-            for (int l = 0; l < kPanelBytes; l += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(wp + (nb + b) * kPanelBytes + l), _MM_HINT_T1);
+            llm_kernels::prefetch_l2(wp + (nb + b) * kPanelBytes, kPanelBytes);
           _tile_loadd(0, xq + r * K + b * kBlock, K);
           _tile_loadd(2, wide.data() + b * 512, 64);
           _tile_zero(4);

@@ -42,6 +42,7 @@
 #include "block_scales.h"
 #include "expert_groups.h"
 #include "scratch.h"
+#include "prefetch.h"
 #include "work_queue.h"
 
 namespace {
@@ -202,9 +203,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
   if constexpr (SUB == 2) {  // 6 bits
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = p.w + b * kSixBitBlock;
-      if (prefetch)  // the next panel follows this one, into L2 (q4_1_w4a8.cpp says why not L1)
-        for (int l = 0; l < kSixBitBlock; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kSixBitBlock + l), _MM_HINT_T1);
+      if (prefetch) llm_kernels::prefetch_l2(wb + nb * kSixBitBlock, kSixBitBlock);  // the next panel follows this one
       __m512i dot[MR];
       six_bit_dots<MR, 0>(wb, x, b, dot);
       add(dot, b, 0);
@@ -214,9 +213,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
   } else {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = p.w + b * kBlock * kPanel;
-      if (prefetch)
-        for (int l = 0; l < kBlock * kPanel; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T1);
+      if (prefetch) llm_kernels::prefetch_l2(wb + K * kPanel, kBlock * kPanel);
       __m512i dot[MR];
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(x.start(i, b, 2));
@@ -301,9 +298,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
   if constexpr (SUB == 2) {  // 6 bits
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = p.w + b * kSixBitBlock;
-      if (prefetch)
-        for (int l = 0; l < kSixBitBlock; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + nb * kSixBitBlock + l), _MM_HINT_T1);
+      if (prefetch) llm_kernels::prefetch_l2(wb + nb * kSixBitBlock, kSixBitBlock);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256i dot[MR];
@@ -316,9 +311,7 @@ inline void microkernel(const Rounded& x, Panel p, float* y, int64_t ldy, int64_
   } else {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = p.w + b * kBlock * kPanel;
-      if (prefetch)
-        for (int l = 0; l < kBlock * kPanel; l += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T1);
+      if (prefetch) llm_kernels::prefetch_l2(wb + K * kPanel, kBlock * kPanel);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {  // channels 8h .. 8h + 7: 32 bytes of each 4-k group
         __m256i dot[MR];
@@ -416,8 +409,7 @@ void amx_panels(const Rounded& x, int64_t M, Panel all, float* py, int64_t N, in
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* wb = one.w + b * kBlock * kPanel;
           if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
-            for (int l = 0; l < kBlock * kPanel; l += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(wb + K * kPanel + l), _MM_HINT_T1);
+            llm_kernels::prefetch_l2(wb + K * kPanel, kBlock * kPanel);
           _tile_loadd(0, x.q + m * K + b * kBlock, K);
           _tile_loadd(2, wb, 4 * kPanel);
           _tile_zero(4);

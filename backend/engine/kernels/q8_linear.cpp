@@ -22,6 +22,7 @@
 
 #include <algorithm>
 
+#include "prefetch.h"
 #include "work_queue.h"
 
 namespace {
@@ -63,9 +64,8 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const __m512 scale = _mm512_loadu_ps(sp + b * kPanel);
     const __m512 min = MIN ? _mm512_loadu_ps(mp + b * kPanel) : _mm512_setzero_ps();
-    if (prefetch)  // the next panel follows this one: DRAM's latency hides behind this panel's FMAs
-      for (int l = 0; l < kBlock * kPanel; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T1);
+    // the next panel's block
+    if (prefetch) llm_kernels::prefetch_l2(wp + K * kPanel + b * kBlock * kPanel, kBlock * kPanel);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
       const __m512 w = widen<MIN>(wp + k * kPanel, scale, min);
 #pragma GCC unroll 16
@@ -96,9 +96,7 @@ inline void microkernel(const float* x, int64_t K, const int8_t* wp, const float
     const __m256 s0 = _mm256_loadu_ps(sp + b * kPanel), s1 = _mm256_loadu_ps(sp + b * kPanel + 8);
     const __m256 m0 = MIN ? _mm256_loadu_ps(mp + b * kPanel) : _mm256_setzero_ps();
     const __m256 m1 = MIN ? _mm256_loadu_ps(mp + b * kPanel + 8) : _mm256_setzero_ps();
-    if (prefetch)
-      for (int l = 0; l < kBlock * kPanel; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + K * kPanel + b * kBlock * kPanel + l), _MM_HINT_T1);
+    if (prefetch) llm_kernels::prefetch_l2(wp + K * kPanel + b * kBlock * kPanel, kBlock * kPanel);
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + k * kPanel));
       const __m256 w0 = widen<MIN>(bytes, s0, m0), w1 = widen<MIN>(_mm_srli_si128(bytes, 8), s1, m1);
