@@ -41,8 +41,8 @@
 #include "amx.h"
 #include "block_scales.h"
 #include "expert_groups.h"
-#include "scratch.h"
 #include "prefetch.h"
+#include "scratch.h"
 #include "work_queue.h"
 
 namespace {
