@@ -17,16 +17,17 @@ namespace llm_kernels {
 struct BlockScales {
   const float* f;         // [scales, 16] float32, or null
   const at::Half* half;   // [scales, 16] float16 (a file's own float16 scales: exact), or with steps the units
-                          // [scales / per_unit, 16]; or null
+                          // [scales >> unit_shift, 16]; or null
   const int8_t* steps;    // [scales, 16], or null
-  int64_t per_unit;       // scales under one unit: 256 weights' worth
+  int unit_shift;         // log2 of the scales under one unit (256 weights' worth: 8 or 16); a shift, for a division
+                          // by a count held here was a 64-bit idiv in each eight() / sixteen() of the block loops
 
   bool given() const { return f || half; }
 
   // These of panel p, for `scales` per panel row along K.
   BlockScales nth(int64_t p, int64_t scales) const {
-    if (steps) return {nullptr, half + p * scales / per_unit * 16, steps + p * scales * 16, per_unit};
-    return {f ? f + p * scales * 16 : nullptr, half ? half + p * scales * 16 : nullptr, nullptr, per_unit};
+    if (steps) return {nullptr, half + (p * scales >> unit_shift) * 16, steps + p * scales * 16, unit_shift};
+    return {f ? f + p * scales * 16 : nullptr, half ? half + p * scales * 16 : nullptr, nullptr, unit_shift};
   }
 
 #if defined(__AVX2__)
@@ -36,7 +37,7 @@ struct BlockScales {
     if (f) return _mm256_loadu_ps(f + i * 16 + 8 * h);
     if (!steps) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half + i * 16 + 8 * h)));
     const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(steps + i * 16 + 8 * h));
-    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + i / per_unit * 16 + 8 * h));
+    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + (i >> unit_shift) * 16 + 8 * h));
     return _mm256_mul_ps(_mm256_cvtph_ps(u), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)));
   }
 
@@ -48,7 +49,7 @@ struct BlockScales {
       _mm256_storeu_ps(out + i * 16, eight(i, 0));
       _mm256_storeu_ps(out + i * 16 + 8, eight(i, 1));
     }
-    return {out, nullptr, nullptr, per_unit};
+    return {out, nullptr, nullptr, unit_shift};
   }
 #endif
 #if defined(__AVX512F__)
@@ -57,7 +58,7 @@ struct BlockScales {
     if (f) return _mm512_loadu_ps(f + i * 16);
     if (!steps) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + i * 16)));
     const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + i * 16));
-    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + i / per_unit * 16));
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + (i >> unit_shift) * 16));
     return _mm512_mul_ps(_mm512_cvtph_ps(u), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
   }
 #endif
@@ -67,7 +68,9 @@ struct BlockScales {
 // `steps` [stacked, n, 16] int8; both empty: none (not given()).
 inline BlockScales block_scales(const char* op, const char* name, const at::Tensor& f, const at::Tensor& steps,
                                 int64_t stacked, int64_t n, int64_t per_unit) {
-  if (f.numel() == 0 && steps.numel() == 0) return {nullptr, nullptr, nullptr, per_unit};
+  TORCH_CHECK(per_unit > 0 && (per_unit & (per_unit - 1)) == 0, op, ": ", name, " per unit must be a power of 2");
+  const int shift = __builtin_ctzll(per_unit);
+  if (f.numel() == 0 && steps.numel() == 0) return {nullptr, nullptr, nullptr, shift};
   const bool stepped = steps.numel() > 0, half = f.scalar_type() == at::kHalf;
   TORCH_CHECK(f.is_contiguous() && (half || (!stepped && f.scalar_type() == at::kFloat)) &&
               f.sizes() == at::IntArrayRef({stacked, stepped ? n / per_unit : n, 16}) &&
@@ -75,8 +78,8 @@ inline BlockScales block_scales(const char* op, const char* name, const at::Tens
                             steps.sizes() == at::IntArrayRef({stacked, n, 16}))),
               op, ": ", name, " [panels, ", n, ", 16] float32 or float16, or its units [panels, ", n / per_unit,
               ", 16] float16 and steps [panels, ", n, ", 16] int8, expected");
-  if (half) return {nullptr, f.data_ptr<at::Half>(), stepped ? steps.data_ptr<int8_t>() : nullptr, per_unit};
-  return {f.data_ptr<float>(), nullptr, nullptr, per_unit};
+  if (half) return {nullptr, f.data_ptr<at::Half>(), stepped ? steps.data_ptr<int8_t>() : nullptr, shift};
+  return {f.data_ptr<float>(), nullptr, nullptr, shift};
 }
 
 }  // namespace llm_kernels
