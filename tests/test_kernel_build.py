@@ -68,3 +68,14 @@ def test_a_build_killed_midway_is_taken_over_by_the_process_waiting_for_it(tmp_p
     third = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=120)
     assert third.returncode == 0 and "compiling" not in third.stderr and "waiting" not in third.stderr, third.stderr
+
+
+def test_the_progress_line_counts_the_objects_this_build_wrote(tmp_path):
+    """A rebuild (a source or header changed) finds the last build's objects in the folder: they are not progress."""
+    last = tmp_path / "argmax.o"
+    last.write_bytes(b"")
+    os.utime(last, (1, 1))
+    started = time.time() - 1  # the file system's clock may round a new file's time down a tick
+    (tmp_path / "fused_ops.o").write_bytes(b"")
+    (tmp_path / "build.ninja").write_bytes(b"")
+    assert cpu_kernels._written_since(tmp_path, started) == 1

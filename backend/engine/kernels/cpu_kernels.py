@@ -150,11 +150,11 @@ def _build(path: Path) -> None:
     last = timing.read_text().strip() if timing.is_file() else None
     log.info("cpu kernels: compiling %d sources for -march=%s into %s (%s)", len(SOURCES), march(), path,
              f"the last build on this CPU took {last} s" if last else "the first build on this CPU")
-    start, done = time.monotonic(), threading.Event()
+    start, wall_start, done = time.monotonic(), time.time(), threading.Event()
 
     def progress() -> None:
         while not done.wait(PROGRESS_S):
-            objects = sum(1 for _ in build_dir.glob("*.o"))
+            objects = _written_since(build_dir, wall_start)  # not the last build's objects, which the folder still has
             log.info("cpu kernels: %d of %d objects compiled, %.0f s%s", objects, len(SOURCES),
                      time.monotonic() - start, f" (of ~{last} s last time)" if last else "")
 
@@ -171,6 +171,15 @@ def _build(path: Path) -> None:
     os.replace(partial, path)  # whole or absent, for a process that loads it without the lock
     timing.write_text(f"{seconds:.0f}\n")
     log.info("cpu kernels: built in %.0f s: %s", seconds, path)
+
+
+def _written_since(folder: Path, since: float) -> int:
+    """The objects in `folder` written at or after `since` (time.time())."""
+    written = 0
+    for o in folder.glob("*.o"):
+        with contextlib.suppress(FileNotFoundError):  # the compiler replacing it
+            written += o.stat().st_mtime >= since
+    return written
 
 
 def loaded() -> bool:
