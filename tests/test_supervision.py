@@ -20,7 +20,7 @@ import pytest
 
 from backend.triton.launcher import free_ports
 from backend.triton.repository import configure_repository
-from backend.triton.supervisor import stub_processes
+from backend.triton.supervisor import stream_answers, stub_processes
 from client.client import LLMClient
 from tests.conftest import LLM_TEST_SETTINGS, SERVED_MODELS
 from tests.test_launcher import stop_launcher
@@ -42,10 +42,13 @@ class Launched:
         except (OSError, urllib.error.HTTPError):
             return False
 
-    def llm_stub(self) -> int:
+    def tritonserver(self) -> int:
         (server,) = map(int, subprocess.run(["pgrep", "-P", str(self.proc.pid), "tritonserver"],
                                             capture_output=True, text=True).stdout.split())
-        return stub_processes(server)["llm_0_0"]
+        return server
+
+    def llm_stub(self) -> int:
+        return stub_processes(self.tritonserver())["llm_0_0"]
 
 
 @pytest.fixture
@@ -160,3 +163,17 @@ def test_sigusr1_writes_a_live_stubs_stacks_to_the_log_and_it_serves_on(launched
     with LLMClient(f"127.0.0.1:{launched.grpc}") as client:
         assert client.generate("Hello there", max_tokens=4).text
     assert launched.llm_stub() == stub and launched.ready()
+
+
+def test_a_frozen_tritonserver_is_reported_by_its_stream_door_and_restarted(launched: Launched) -> None:
+    """The stream probe: what caught Triton 2.51's stream-handler deadlock (docs/reliability.md), which cannot be
+    provoked on demand. A stopped tritonserver leaves a new stream as unanswered as that deadlock did."""
+    os.kill(launched.tritonserver(), signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    not_ready, serving = _recovery(launched, frozen_at)
+    assert serving < RECOVERY_S  # found within PROBE_S + the test's --stall-timeout of 5 s
+    assert "a new gRPC stream got no response in 5 s" in _printed_until(launched, "tritonserver restarted")
+
+
+def test_the_stream_probe_is_answered_by_a_serving_tritonserver(server) -> None:
+    assert stream_answers(server.url_grpc, 5)

@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                              "again after 10 minutes up; -1: always, 0: never")
     parser.add_argument("--stall-timeout", type=float, default=30.0,
                         help="restart a tritonserver whose engine loop has made no progress for this long (a step "
-                             "running longer, or work waiting that no step takes, counts as wedged), or whose "
-                             "python backend stub died; 0: only the latter")
+                             "running longer, or work waiting that no step takes, counts as wedged), or whose gRPC "
+                             "door left a new stream unanswered this long, or whose python backend stub died; "
+                             "0: only the last")
     parser.add_argument("--auto-complete-config", action="store_true",
                         help="let Triton complete configs (it then loads each python model twice; ours are complete)")
     args = parser.parse_args(argv[:split])

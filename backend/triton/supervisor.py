@@ -7,6 +7,11 @@
   stub's streams still never end and its instance stays UNLOADING forever, holding them.
 - An engine loop that died or stopped making progress: the llm model's heartbeat gauge (see
   backend/serving/engine_thread.py) is -1 or older than the stall timeout.
+- A gRPC stream door that no longer answers: Triton 2.51's stream handler deadlocked once in a test run (docs/
+  reliability.md), after which no new gRPC stream got a response while HTTP, unary gRPC and readiness still
+  answered and the engine idled. Every PROBE_S a new stream asks for a model that does not exist: Triton's stream
+  handler answers that itself, with an error, so the probe costs no model any work. A frozen tritonserver (SIGSTOP,
+  a stuck host) fails it too.
 
 Such a server is killed, not stopped gracefully (its in-flight requests can never finish): their clients get a
 broken connection at once, and the ready endpoint answers nothing until the new server is ready. Before a
@@ -23,9 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
 STUB = "triton_python_backend_stub"
 HEARTBEAT = "llm_engine_heartbeat_timestamp_seconds"
 DUMP_WAIT_S = 1.0  # for the stubs' stack dumps to reach the log before the kill
+PROBE_S = 10.0  # how often a new gRPC stream is opened to see that the stream door answers
+PROBE_MODEL = "supervisor-probe-no-such-model"
 
 
 def stub_processes(server_pid: int) -> dict[str, int]:
@@ -53,6 +63,21 @@ def heartbeats(metrics_text: str) -> dict[str, float]:
     return beats
 
 
+def stream_answers(url_grpc: str, timeout_s: float) -> bool:
+    """Whether a new gRPC stream on `url_grpc` (host:port) gets a response within `timeout_s`: a request for a
+    model that does not exist, which Triton's stream handler refuses itself."""
+    with grpc.insecure_channel(url_grpc) as channel:
+        stream = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter([service_pb2.ModelInferRequest(model_name=PROBE_MODEL)]), timeout=timeout_s)
+        try:
+            next(stream)
+        except grpc.RpcError as err:
+            return err.code() != grpc.StatusCode.DEADLINE_EXCEEDED  # e.g. UNAVAILABLE: a door being shut, not stuck
+        except StopIteration:
+            pass
+        return True
+
+
 class Supervised(Protocol):
     """What the supervisor needs of a server: the launcher's TritonServer (the launcher imports this)."""
 
@@ -62,6 +87,9 @@ class Supervised(Protocol):
     @property
     def url_metrics(self) -> str: ...
 
+    @property
+    def url_grpc(self) -> str: ...
+
     def poll(self) -> int | None: ...
 
     def kill(self) -> None: ...
@@ -70,9 +98,10 @@ class Supervised(Protocol):
 @dataclass
 class Supervisor:
     server: Supervised
-    stall_timeout_s: float = 30.0  # a step may take this long before the engine counts as wedged; 0: no check
+    stall_timeout_s: float = 30.0  # a step, or a new stream's answer, may take this long; 0: neither is checked
     poll_s: float = 1.0
     _stubs: dict[str, int] = field(default_factory=dict, init=False)
+    _probed_at: float = field(default=0.0, init=False)
 
     def wait(self) -> str:
         """Block until the server exits or turns unhealthy (it is then killed); why, for the log."""
@@ -103,6 +132,10 @@ class Supervisor:
         self._stubs = live  # Triton may have restarted a non-decoupled model's stub under a new pid
         if self.stall_timeout_s <= 0:
             return None
+        if time.monotonic() - self._probed_at >= PROBE_S:
+            if not stream_answers(self.server.url_grpc, self.stall_timeout_s):
+                return f"a new gRPC stream got no response in {self.stall_timeout_s:.0f} s (stall timeout)"
+            self._probed_at = time.monotonic()
         try:
             with urllib.request.urlopen(self.server.url_metrics, timeout=5) as resp:
                 beats = heartbeats(resp.read().decode())
