@@ -1,7 +1,9 @@
 """Streaming gRPC client for the text front doors: `llm` (text in, text out in one hop; the default),
 `ensemble` and `llm_bls` (tensorrtllm_backend's I/O names).
 
-Cancelling sends TensorRT-LLM's `stop` (same request id), which works through the ensemble too.
+Cancelling sends TensorRT-LLM's `stop` (same request id), which works through the ensemble too. A stream is
+closed only after its last final response: cancelling a gRPC stream that the server is still writing to
+deadlocked Triton 2.51's stream handler (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from backend.serving.protocol import ENSEMBLE, inputs_of, outputs_of
 INPUT_TYPES = {t.name: t.client_dtype for t in inputs_of(ENSEMBLE)}
 NUMPY = {"INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}
 OUTPUTS = tuple(t.name for t in outputs_of(ENSEMBLE))
+STOP_WAIT_S = 10.0  # for an abandoned request's final responses after its `stop`; then its stream is cancelled
 
 
 def _tensor(name: str, datatype: str, value) -> grpcclient.InferInput:
@@ -118,9 +121,23 @@ class LLMClient:
                             time.monotonic(), outputs)
         finally:
             if not done:  # abandoned mid-stream: stop the generation (ensembles miss stream cancels)
-                self.cancel()
+                done = self._stop_and_drain(q)
             self._grpc.stop_stream(cancel_requests=not done)
             self._active_id = None
+
+    def _stop_and_drain(self, q: queue.SimpleQueue) -> bool:
+        """Stop the request in flight and read its stream until every final response came (an error is one);
+        False if they did not within STOP_WAIT_S."""
+        self.cancel()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self._finals_due > 0:
+            try:
+                item = q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False
+            self._finals_due -= isinstance(item, InferenceServerException) or \
+                item.get_response().parameters["triton_final_response"].bool_param
+        return True
 
     def generate(self, prompt: str, **options) -> GenerationResult:
         start = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,4 +68,30 @@ def start_server(repo_dir: Path, model_dir: Path, llm_settings: dict[str, str]):
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     with start_server(tmp_path_factory.mktemp("repo"), tiny_model_dir, LLM_TEST_SETTINGS) as srv:
         srv.wait_ready(300)
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def _stream_door_answers(request: pytest.FixtureRequest) -> None:
+    """Before each test on the session's server, a new gRPC stream is answered, or the server is restarted with a
+    warning, as the launcher's supervisor would: Triton 2.51's stream deadlock (docs/reliability.md) once left every
+    later test of a run waiting out its client timeouts."""
+    if "server" not in request.fixturenames:
+        return
+    from backend.triton.supervisor import stream_answers
+
+    srv = request.getfixturevalue("server")
+    if not stream_answers(srv.url_grpc, 30):
+        warnings.warn(f"the session's tritonserver left a new gRPC stream unanswered for 30 s (before "
+                      f"{request.node.name}): restarted; its log: {srv.log_path}", stacklevel=1)
+        srv.stop()
+        srv.start()
+        srv.wait_ready(300)
+
+
+@pytest.fixture
+def cancelling_server(tmp_path: Path, tiny_model_dir: Path):
+    """A server of one test's own, for a test that cancels live gRPC streams: that can deadlock Triton 2.51's
+    stream handler (docs/reliability.md), which must not take the session's server down with it."""
+    with start_server(tmp_path / "repo", tiny_model_dir, LLM_TEST_SETTINGS) as srv:
         yield srv

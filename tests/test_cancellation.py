@@ -51,7 +51,8 @@ def test_http_clients_that_disconnect_stop_their_generation(server, model) -> No
 
 
 @pytest.mark.parametrize("model", DOORS)
-def test_grpc_clients_that_cancel_their_stream_stop_their_generation(server, model) -> None:
+def test_grpc_clients_that_cancel_their_stream_stop_their_generation(cancelling_server, model) -> None:
+    server = cancelling_server
     clients = [LLMClient(server.url_grpc, model) for _ in range(STREAMS)]
     streams = [c.stream(f"Essay {i}:", max_tokens=MAX_TOKENS, ignore_eos=True, stream=True)
                for i, c in enumerate(clients)]

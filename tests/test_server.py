@@ -250,8 +250,21 @@ def test_cancel_through_the_ensemble_with_stop_frees_kv(server):
     wait_until_idle(server, timeout=2.0)
 
 
+@pytest.mark.parametrize("model", ["llm", "ensemble"])
+def test_an_abandoned_stream_is_stopped_and_drained_before_it_closes(server, model):
+    """LLMClient never cancels a stream the server may still write to (Triton 2.51's stream deadlock,
+    docs/reliability.md): it sends `stop`, reads to the last final response, then closes the stream."""
+    with LLMClient(grpc_url(server), model) as client:
+        chunks = _first_chunks_then(client, "Tell me a long story", 3)
+        chunks.close()  # what a `break` out of the loop, or the generator's garbage collection, does
+        assert client._finals_due == 0 and client._active_id is None
+        wait_until_idle(server, timeout=2.0)
+        assert client.generate("Hello", max_tokens=4).text  # the client serves its next request
+
+
 @pytest.mark.parametrize("model", ["llm", "llm_bls"])
-def test_a_text_stream_cancelled_by_its_client_frees_kv(server, model):
+def test_a_text_stream_cancelled_by_its_client_frees_kv(cancelling_server, model):
+    server = cancelling_server
     client = LLMClient(grpc_url(server), model)
     chunks = _first_chunks_then(client, "Tell me a long story", 3)
     assert metrics(server)['llm_kv_blocks{state="used"}'] > 0
@@ -262,7 +275,8 @@ def test_a_text_stream_cancelled_by_its_client_frees_kv(server, model):
     del chunks
 
 
-def test_direct_llm_sees_grpc_cancel_and_frees_kv(server, tokenizer):
+def test_direct_llm_sees_grpc_cancel_and_frees_kv(cancelling_server, tokenizer):
+    server = cancelling_server
     client = grpcclient.InferenceServerClient(grpc_url(server))
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
