@@ -28,6 +28,11 @@ OUTPUTS = tuple(t.name for t in outputs_of(ENSEMBLE))
 STOP_WAIT_S = 10.0  # for an abandoned request's final responses after its `stop`; then its stream is cancelled
 
 
+def _is_final(result: grpcclient.InferResult) -> bool:
+    """The request's last response (the stream's requests ask for an empty final one)."""
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
 def _tensor(name: str, datatype: str, value) -> grpcclient.InferInput:
     values = value if isinstance(value, (list, tuple)) else [value]
     if datatype == "BYTES":
@@ -112,8 +117,7 @@ class LLMClient:
                 if isinstance(item, InferenceServerException):
                     done = True
                     raise item
-                final = item.get_response().parameters["triton_final_response"].bool_param
-                self._finals_due -= final
+                self._finals_due -= _is_final(item)
                 done = self._finals_due == 0  # after cancel(), the stop request's final comes too
                 outputs = {n: v for n in OUTPUTS if (v := item.as_numpy(n)) is not None}
                 text = outputs.pop("text_output", None)
@@ -135,8 +139,7 @@ class LLMClient:
                 item = q.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return False
-            self._finals_due -= isinstance(item, InferenceServerException) or \
-                item.get_response().parameters["triton_final_response"].bool_param
+            self._finals_due -= isinstance(item, InferenceServerException) or _is_final(item)
         return True
 
     def generate(self, prompt: str, **options) -> GenerationResult:
