@@ -11,10 +11,12 @@ never sees two calls at once (Triton's custom metrics must not: backend/triton/m
 response send is a synchronous round trip to the server process (and each metric update another), ~0.4 ms
 of which the output thread spends ~0.15 ms on a CPU. Where the engine leaves a CPU free, the output thread
 sends a step's outputs while the next step runs. Where the forward's threads take every CPU
-(`LLMEngine.fills_the_cpus`), the loop waits for the output thread to finish a step's outputs before the
-next step, and polls the clients' cancellations meanwhile: measured on 2 CPUs with 2 OpenMP threads
-(SmolLM2-135M, 40 streams), sending beside a step stretched a 40-sequence decode step from 112 to 130-140 ms,
-since every wake-up of the output thread, the server and the stub's IPC thread lands on a CPU an OpenMP thread
+(`LLMEngine.fills_the_cpus`), the loop waits for the output thread to finish a step's outputs and observer hooks
+before the next step, and polls the clients' cancellations meanwhile. The hooks too: queued after the wait, the
+step's metric updates ran beside the next forward, whose threads hold the CPUs and the GIL between ops, and took
+2.7 ms there against 0.2 ms between steps, stretching the step from 8.1 to 10.8 ms (SmolLM2 at one stream, Zen 3,
+2026-12-03). Measured on 2 CPUs with 2 OpenMP threads (SmolLM2-135M, 40 streams), sending beside a step
+stretched a 40-sequence decode step from 112 to 130-140 ms, since every wake-up of the output thread, the server and the stub's IPC thread lands on a CPU an OpenMP thread
 needs; waiting costs ~17 ms a step instead (README, Benchmarks: 2-5 % more tokens per second served). With
 one OpenMP thread on the same 2 CPUs, sending beside the step served ~2 % more than waiting.
 The sends stay on one thread. Spread over four (each request's outputs on one of them, the metric updates
@@ -205,15 +207,14 @@ class EngineLoop:
                     outputs = self.engine.step(self._between_layers)
                     for out in outputs:
                         self._dispatch(out)
-                    sent = None if self.overlap_outputs else self._marker()
                     self._poll_cancellations()  # round trips too: while the output thread sends
-                    if sent is not None:
-                        sent.wait()
                     if events := self.engine.kv.take_events():
                         self._queue(functools.partial(self.observer.on_kv_events, events))
                     stats = self.engine.stats()
                     progressed = bool(outputs or stats.last_step_tokens)
                     self._queue(functools.partial(self.observer.on_step, stats, time.monotonic() - start))
+                    if not self.overlap_outputs:
+                        self._marker().wait()  # the step's observer hooks too, not only its sends
         except BaseException as err:  # noqa: BLE001 - a dead loop must be loud and fail its requests
             LOG.exception("engine loop died")
             self.error = err
