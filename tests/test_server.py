@@ -231,6 +231,31 @@ def test_overload_answers_overloaded_and_serves_the_rest(server):
     assert 1 <= wait_until_idle(server)["llm_cpu_threads"] <= os.cpu_count()  # runtime torch on the CPU sets them
 
 
+def test_latency_histograms_count_every_token_before_the_last_response(server):
+    """TTFT and inter-token latency are kept in the stub and sent as a histogram's series (backend/triton/metrics.py):
+    by the time a client has its last response, its first token and its 5 gaps are counted."""
+    before = wait_until_idle(server)
+    with LLMClient(grpc_url(server)) as client:
+        assert len(list(client.stream("Hi", max_tokens=6, ignore_eos=True, stream=True))) >= 6
+    after = metrics(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew("llm_time_to_first_token_seconds_count") == 1 and grew("llm_inter_token_latency_seconds_count") == 5
+    for name in ("llm_time_to_first_token_seconds", "llm_inter_token_latency_seconds"):
+        buckets = sorted((float(m[1]), after[key]) for key in after if (m := re.fullmatch(
+            name + r'_bucket\{le="([^"]+)"\}', key)))
+        assert [le for le, _ in buckets][-2:] == [30.0, float("inf")]
+        counts = [count for _, count in buckets]
+        assert counts == sorted(counts) and counts[-1] == after[f"{name}_count"]  # cumulative, as Prometheus reads
+        assert 0 < grew(f"{name}_sum") < 30
+    deadline = time.monotonic() + 5  # the step histograms: flushed once the engine is idle
+    while metrics(server).get("llm_step_tokens_count", 0) < before.get("llm_step_tokens_count", 0) + 6:
+        assert time.monotonic() < deadline, "the step histogram did not count the request's 6 steps"
+        time.sleep(0.05)
+
+
 def _first_chunks_then(client: LLMClient, prompt: str, n: int, **options):
     chunks = client.stream(prompt, max_tokens=900, ignore_eos=True, stream=True, return_finish_reason=True, **options)
     for _ in range(n):

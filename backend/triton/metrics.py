@@ -12,6 +12,9 @@ spread over two threads).
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from backend.engine.engine import EngineStats
 from backend.serving.engine_thread import LoopObserver
 
@@ -34,19 +37,57 @@ class Gauge:
             self._value = value
 
 
+class Histogram:
+    """A Prometheus histogram kept in this process and sent, by `flush`, as the counters of its series
+    (`<name>_bucket{le=...}`, `<name>_sum`, `<name>_count`), each only when it grew. Triton's own histogram makes
+    every observation a round trip to the server process, run between engine steps: the inter-token latency's and
+    the step's two took 0.4 ms of a 9.4 ms token at one stream (0.17-0.21 ms each; SmolLM2, Zen 3, 2026-12-03), and
+    at 40 streams 40 more round trips a step. The series are a native histogram's, which `histogram_quantile`
+    reads the same; only their `# TYPE` lines say counter."""
+
+    def __init__(self, counter, name: str, doc: str, buckets: list[float]):
+        """`counter(name, doc, extra_labels)`: a new Triton counter."""
+        self._bounds = [float(b) for b in buckets]
+        self._counts = [0] * (len(buckets) + 1)  # per bucket, the last one +Inf; not cumulative
+        self._sum = 0.0
+        self._sent = [0] * len(self._counts)  # the cumulative counts as last sent; the last is the count
+        self._sent_sum = 0.0
+        les = [repr(b) for b in self._bounds] + ["+Inf"]
+        self._buckets = [counter(f"{name}_bucket", doc, {"le": le}) for le in les]
+        self._sum_counter = counter(f"{name}_sum", doc, None)
+        self._count_counter = counter(f"{name}_count", doc, None)
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1  # le: a value on a bound counts in its bucket
+        self._sum += value
+
+    def flush(self) -> None:
+        cumulative = list(itertools.accumulate(self._counts))
+        if cumulative[-1] == self._sent[-1]:
+            return
+        for counter, now, before in zip(self._buckets, cumulative, self._sent):
+            if now > before:
+                counter.increment(now - before)
+        self._count_counter.increment(cumulative[-1] - self._sent[-1])
+        self._sum_counter.increment(self._sum - self._sent_sum)
+        self._sent, self._sent_sum = cumulative, self._sum
+
+
 class TritonMetrics(LoopObserver):
     def __init__(self, pb_utils, labels: dict[str, str]):
         fam = pb_utils.MetricFamily
         self._families = []
 
-        def metric(name: str, doc: str, kind, extra: dict[str, str] | None = None, buckets=None):
+        def metric(name: str, doc: str, kind, extra: dict[str, str] | None = None):
             family = next((f for n, f in self._families if n == name), None)
             if family is None:
                 family = fam(name=name, description=doc, kind=kind)
                 self._families.append((name, family))
-            kwargs = {"buckets": buckets} if buckets is not None else {}
-            made = family.Metric(labels={**labels, **(extra or {})}, **kwargs)
+            made = family.Metric(labels={**labels, **(extra or {})})
             return Gauge(made) if kind == fam.GAUGE else made
+
+        def counter(name: str, doc: str, extra: dict[str, str] | None = None):
+            return metric(name, doc, fam.COUNTER, extra)
 
         self.running = metric("llm_num_requests_running", "Sequences in the running batch", fam.GAUGE)
         self.waiting = metric("llm_num_requests_waiting", "Sequences waiting for admission", fam.GAUGE)
@@ -74,13 +115,14 @@ class TritonMetrics(LoopObserver):
         self.prompt_tokens = metric("llm_prompt_tokens_total", "Prompt tokens of finished requests", fam.COUNTER)
         self.generation_tokens = metric("llm_generation_tokens_total", "Generated tokens of finished requests",
                                         fam.COUNTER)
-        self.step_tokens = metric("llm_step_tokens", "Tokens per engine step (batch size in tokens)",
-                                  fam.HISTOGRAM, buckets=BATCH_BUCKETS)
-        self.step_seconds = metric("llm_step_seconds", "Engine step time", fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
-        self.ttft = metric("llm_time_to_first_token_seconds", "From submission to the first token",
-                           fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
-        self.itl = metric("llm_inter_token_latency_seconds", "Between consecutive tokens of a request",
-                          fam.HISTOGRAM, buckets=LATENCY_BUCKETS)
+        self.step_tokens = Histogram(counter, "llm_step_tokens", "Tokens per engine step (batch size in tokens)",
+                                     BATCH_BUCKETS)
+        self.step_seconds = Histogram(counter, "llm_step_seconds", "Engine step time", LATENCY_BUCKETS)
+        self.ttft = Histogram(counter, "llm_time_to_first_token_seconds", "From submission to the first token",
+                              LATENCY_BUCKETS)
+        self.itl = Histogram(counter, "llm_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             LATENCY_BUCKETS)
+        self._histograms = (self.step_tokens, self.step_seconds, self.ttft, self.itl)
         self.heartbeat = metric("llm_engine_heartbeat_timestamp_seconds", "Unix time the engine loop last went "
                                 "round idle or after a step that did work (it stands still while a step runs or work "
                                 "waits that no step takes); 0: not yet reported; -1: the loop has died", fam.GAUGE)
@@ -90,12 +132,22 @@ class TritonMetrics(LoopObserver):
         self._seen: dict[str, int] = {}  # the engine's running totals, as last added to their counters
 
     def on_step(self, s: EngineStats, step_seconds: float) -> None:
-        self.on_idle(s)
+        self._update(s)
         if s.last_step_tokens:
             self.step_tokens.observe(s.last_step_tokens)
             self.step_seconds.observe(step_seconds)
 
     def on_idle(self, s: EngineStats) -> None:
+        self._update(s)
+        self._flush()
+
+    def _flush(self) -> None:
+        """The histograms' observations so far to the server: when the engine goes idle, with the heartbeat, and
+        before a finished request's last response is sent."""
+        for histogram in self._histograms:
+            histogram.flush()
+
+    def _update(self, s: EngineStats) -> None:
         """The gauges and the counters of engine totals (also after an abort that no step follows)."""
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
@@ -137,6 +189,7 @@ class TritonMetrics(LoopObserver):
 
     def on_heartbeat(self, last_round: float) -> None:
         self.heartbeat.set(last_round)
+        self._flush()
 
     def on_refused(self, reason: str) -> None:
         self.refused[reason].increment(1)
@@ -150,3 +203,4 @@ class TritonMetrics(LoopObserver):
     def on_finished(self, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self.prompt_tokens.increment(num_prompt_tokens)
         self.generation_tokens.increment(num_output_tokens)
+        self._flush()
