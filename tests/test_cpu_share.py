@@ -1,5 +1,6 @@
 """The forward's threads follow the CPUs other processes leave free (backend/engine/cpu_share.py): a real busy
-process pinned to one of the engine's CPUs takes a thread away, and its exit gives it back."""
+process pinned to one of the engine's CPUs takes a thread away, and its exit gives it back; what it takes while the
+engine is idle does not count."""
 
 from __future__ import annotations
 
@@ -54,17 +55,19 @@ def test_others_counts_a_busy_process_and_not_this_one():
         assert 0.8 < share.others() < 1.5
 
 
+def threads_after_steps(engine: LLMEngine, seconds: float) -> int:
+    """Short requests one after the other for `seconds` (the engine idle between them); the threads the last step
+    ran on."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        engine.add_request(f"r{time.monotonic()}", list(range(100, 120)), SamplingParams(max_tokens=4))
+        while engine.has_unfinished():
+            engine.step()
+    return torch.get_num_threads()
+
+
 @pytest.mark.skipif(len(CPUS) < 2, reason="one CPU: a single thread is all there is to run on")
 def test_an_engine_steps_on_the_cpus_a_busy_process_leaves(tiny_model_dir):
-    def threads_after_steps(seconds: float) -> int:
-        """Steps for `seconds` (a window of CpuShare) and returns the threads the last step ran on."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            engine.add_request(f"r{time.monotonic()}", list(range(100, 120)), SamplingParams(max_tokens=4))
-            while engine.has_unfinished():
-                engine.step()
-        return torch.get_num_threads()
-
     with threads_per_cpu():
         engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))
         share = engine.cpu_share
@@ -73,13 +76,27 @@ def test_an_engine_steps_on_the_cpus_a_busy_process_leaves(tiny_model_dir):
         with busy_neighbour():
             share.others()  # a window of the neighbour alone begins; the next step reads it
             time.sleep(0.6)
-            assert threads_after_steps(0.1) == share.threads == engine.stats().cpu_threads == len(CPUS) - 1
+            assert threads_after_steps(engine, 0.1) == share.threads == engine.stats().cpu_threads == len(CPUS) - 1
         share.others()
         time.sleep(0.6)
-        assert threads_after_steps(0.1) == share.threads == len(CPUS)
+        assert threads_after_steps(engine, 0.1) == share.threads == len(CPUS)
 
 
 def test_only_runtime_torch_on_the_cpu_follows(tiny_model_dir, tiny_engine_dir):
     engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), runtime="onnxruntime",
                                            engine_dir=str(tiny_engine_dir)))
     assert engine.cpu_share is None  # ONNX Runtime's pool is sized when its session is made
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="one CPU: a single thread is all there is to run on")
+def test_only_the_time_the_engine_has_work_counts(tiny_model_dir):
+    with threads_per_cpu():
+        engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))
+        share = engine.cpu_share
+        share.window_s = 0.5
+        threads_after_steps(engine, 0.01)  # ends idle
+        with busy_neighbour():  # busy while the engine has nothing to do: not counted
+            time.sleep(0.8)
+        assert threads_after_steps(engine, 0.3) == len(CPUS)  # less than a window of work: as it was
+        with busy_neighbour():  # beside short requests, the engine idle between them: their stretches add up
+            assert threads_after_steps(engine, 1.2) == share.threads == len(CPUS) - 1

@@ -350,6 +350,13 @@ class LLMEngine:
     def step(self, between_layers: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One step. `between_layers`, when given, is called between the model's layers (by the runners that run
         layer by layer: PyTorch); the serving loop admits arrivals there and may run `cut_in()`."""
+        try:
+            return self._step(between_layers)
+        finally:
+            if self.cpu_share is not None and not self.has_unfinished():
+                self.cpu_share.idle()
+
+    def _step(self, between_layers: Callable[[], None] | None) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         for seq in [s for s in self._compiling.values() if s.sampling_state.grammar.done]:
             del self._compiling[seq.request_id]
