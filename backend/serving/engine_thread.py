@@ -59,6 +59,7 @@ from backend.engine.sequence import FinishReason
 
 LOG = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
+CANCEL_POLL_S = 0.05  # how often the loop asks the clients whether they cancelled, at most
 FIRST, REST, LAST = 1, 2, 3  # the output thread's lanes, in the order it serves them
 
 
@@ -120,6 +121,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deferred: list[tuple[str, object]] = []  # inbox items taken inside a step, handled after it
         self._active: dict[str, Submission] = {}
+        self._cancel_polled_at = 0.0  # time.monotonic() the clients were last asked whether they cancelled
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self._built = threading.Event()
@@ -291,10 +293,15 @@ class EngineLoop:
         self._active[sub.engine_id] = sub
 
     def _poll_cancellations(self) -> None:
-        """Clients that went away are aborted; requests past their deadline end with what they have."""
+        """Clients that went away are aborted (asked every CANCEL_POLL_S: each ask is a round trip to the server
+        process, 0.3-0.6 ms of a one-stream step's serial time on the Zen 3); requests past their deadline end with
+        what they have."""
         now = time.monotonic()
+        ask = now - self._cancel_polled_at >= CANCEL_POLL_S
+        if ask:
+            self._cancel_polled_at = now
         for sub in list(self._active.values()):
-            if sub.is_cancelled():
+            if ask and sub.is_cancelled():
                 self._abort(sub.engine_id)
             elif sub.request.timeout_ms and now - sub.submitted_at >= sub.request.timeout_ms / 1e3 \
                     and self.engine.has_request(sub.engine_id):
