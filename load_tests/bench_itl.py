@@ -1,17 +1,18 @@
 """One stream's inter-token latency served against the offline engine on the same machine (the serving overhead a
 single user sees, where bench_online's burst measures it at saturation).
 
-Each round runs, one after the other and alone on the CPU:
-  served   tritonserver on model_repository's `llm` (its shipped settings, `--quantization` as given), one
-           tritonclient gRPC stream at a time, greedy, EOS ignored: the gaps between consecutive responses that add
-           tokens, as the client receives them
-  offline  bench_offline's engine run (LLMEngine in a fresh process, the same settings, one stream:
-           BENCH_STREAMS=1) on the same prompt ids: the gaps between a request's consecutive outputs of `step()`
-and prints served/offline of the two medians. The rounds alternate (served, offline, served, ...): on a VM whose
-speed drifts within minutes, a ratio is only taken within a round.
+One tritonserver on model_repository's `llm` (its shipped settings, `--quantization` as given) and the offline
+engine (LLMEngine in this process, the same settings) take the same requests in pairs, one after the other and
+alone on the CPU, the pair's order alternating:
+  served   one tritonclient gRPC stream, greedy, EOS ignored: the gaps between consecutive responses that add tokens,
+           as the client receives them
+  offline  the gaps between the request's consecutive outputs of `step()`
+Each pair's ratio is its served median gap over its offline one; the report is the median of the pairs' ratios. On
+a VM whose speed drifts within a minute (1.3x seen on these 2-core machines), only a ratio taken seconds apart
+means anything: rounds of a whole server run against a whole offline run read 1.03-1.30x within ten minutes.
 
     python -m load_tests.bench_itl [--model default|DIR] [--quantization auto] [--requests 4] [--max-tokens 128]
-        [--rounds 3] [--threads 2] [--out results/itl]
+        [--pairs 12] [--threads 2] [--out results/itl]
 
 Writes itl.json to --out.
 """
@@ -20,52 +21,81 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
+from backend.engine import LLMEngine
+from backend.engine.sampling import SamplingParams
 from backend.serving.openmp_env import openmp_env
-from load_tests.bench_offline import resolve_model, run_system
-from load_tests.bench_online import Item, make_items, ours_repository, triton_system
+from backend.serving.settings import engine_config_from_settings
+from backend.triton.repository import string_parameters
+from load_tests.bench_offline import resolve_model
+from load_tests.bench_online import Item, System, make_items, ours_repository, triton_system
 from load_tests.machine import cpu_summary
-from load_tests.workload import Request, save_workload
+
+_ids = itertools.count()
 
 
-def served_gaps(repo: Path, items: list[Item], timeout: float) -> list[float]:
-    """The client-side gaps between responses that add tokens, one request at a time, after one untimed one."""
-    gaps: list[float] = []
-    with triton_system(repo, "llm", timeout) as served:
-        served.send(dataclasses.replace(items[0], max_tokens=8))
-        for item in items:
-            record = served.send(item)
-            if record.output_tokens != item.max_tokens:
-                raise RuntimeError(f"served: {record.output_tokens} output tokens, wanted {item.max_tokens}")
-            gaps += record.itls
+def served_gaps(served: System, item: Item) -> list[float]:
+    """The client-side gaps between the responses that add tokens."""
+    record = served.send(item)
+    if record.output_tokens != item.max_tokens:
+        raise RuntimeError(f"served: {record.output_tokens} output tokens, wanted {item.max_tokens}")
+    return record.itls
+
+
+def offline_gaps(engine: LLMEngine, item: Item) -> list[float]:
+    """The gaps between the request's consecutive outputs of `step()`, as bench_offline times them."""
+    engine.add_request(f"r{next(_ids)}", item.prompt_ids, SamplingParams(max_tokens=item.max_tokens, ignore_eos=True))
+    gaps, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
     return gaps
 
 
-def offline_itl_ms(model_dir: Path, quantization: str, items: list[Item], tmp: Path) -> float:
-    workload = tmp / "itl_workload.json"
-    save_workload([Request(i.prompt_ids, i.max_tokens) for i in items], workload)
-    result = run_system(f"engine@quantization={quantization}", model_dir, "float32", workload, None, wait_idle_s=0)
-    if result.error is not None:
-        raise RuntimeError(f"offline engine failed: {result.error.strip().splitlines()[-1]}")
-    return result.extra["itl_ms_median"]
+def run_pairs(served: System, engine: LLMEngine, items: list[Item], count: int) -> list[dict[str, float]]:
+    """`count` pairs of the same request, served and offline, the order alternating; after one untimed pair."""
+    pairs = []
+    warm = dataclasses.replace(items[0], max_tokens=8)
+    served_gaps(served, warm), offline_gaps(engine, warm)
+    for k in range(count):
+        item = items[k % len(items)]
+        if k % 2:
+            offline, gaps = offline_gaps(engine, item), served_gaps(served, item)
+        else:
+            gaps, offline = served_gaps(served, item), offline_gaps(engine, item)
+        s50, s99 = (float(v) for v in 1000 * np.percentile(gaps, [50, 99]))
+        o50 = 1000 * statistics.median(offline)
+        threads = engine.stats().cpu_threads  # fewer than --threads: it saw another process (cpu_share.py)
+        pairs.append({"served_itl_ms_p50": round(s50, 3), "served_itl_ms_p99": round(s99, 3),
+                      "offline_itl_ms_p50": round(o50, 3), "offline_threads": threads,
+                      "served_over_offline": round(s50 / o50, 4)})
+        print(f"  pair {k + 1} of {count}: served ITL p50 {s50:.2f} ms (p99 {s99:.2f}), offline {o50:.2f} "
+              f"ms on {threads} threads: {s50 / o50:.3f}x", file=sys.stderr, flush=True)
+    return pairs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="'default' (SmolLM2) or a model folder (HF, or with a GGUF)")
     p.add_argument("--quantization", default="auto", help="the llm's `quantization` setting, for both")
-    p.add_argument("--requests", type=int, default=4, help="requests per system and round, one at a time")
+    p.add_argument("--requests", type=int, default=4, help="distinct prompts, taken in turn")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=12, help="served and offline requests, a pair at a time")
     p.add_argument("--threads", type=int, default=2, help="OMP threads of both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/itl"))
@@ -76,33 +106,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.update(openmp_env(dict(os.environ)))  # the server's OpenMP defaults, for the offline engine too
-    os.environ["BENCH_STREAMS"] = "1"
     model_dir = resolve_model(None if args.model == "default" else args.model)
     items = [dataclasses.replace(i, max_tokens=args.max_tokens)
              for i in make_items(model_dir, args.requests, args.seed)]
     machine = f"{cpu_summary()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"
-    print(f"{model_dir.name}, quantization {args.quantization}: {args.requests} requests of {args.max_tokens} tokens "
-          f"a round; {machine}", file=sys.stderr)
-    rounds = []
+    print(f"{model_dir.name}, quantization {args.quantization}: {args.pairs} pairs of {args.max_tokens}-token "
+          f"requests; {machine}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        repo = ours_repository(tmp, model_dir, {"quantization": args.quantization})
-        for k in range(args.rounds):
-            print(f"round {k + 1} of {args.rounds}: served", file=sys.stderr, flush=True)
-            gaps = served_gaps(repo, items, timeout=120.0)
-            offline = offline_itl_ms(model_dir, args.quantization, items, tmp)
-            served_p50, served_p99 = (float(v) for v in 1000 * np.percentile(gaps, [50, 99]))
-            rounds.append({"served_itl_ms_p50": round(served_p50, 2), "served_itl_ms_p99": round(served_p99, 2),
-                           "offline_itl_ms_p50": offline, "served_over_offline": round(served_p50 / offline, 3)})
-            print(f"  served ITL p50 {served_p50:.2f} ms (p99 {served_p99:.2f}), offline {offline:.2f} ms: "
-                  f"{served_p50 / offline:.3f}x", file=sys.stderr, flush=True)
-    ratios = [r["served_over_offline"] for r in rounds]
-    print(f"{model_dir.name} ({args.quantization}), one stream, served / offline ITL (p50): median "
-          f"{statistics.median(ratios):.3f}, rounds {ratios}; {cpu_summary()}")
+        repo = ours_repository(Path(tmp_name), model_dir, {"quantization": args.quantization})
+        engine = LLMEngine(engine_config_from_settings(string_parameters((repo / "llm" / "config.pbtxt").read_text())))
+        with triton_system(repo, "llm", timeout=120.0) as served:
+            pairs = run_pairs(served, engine, items, args.pairs)
+    ratios = [p["served_over_offline"] for p in pairs]
+    q1, q3 = (float(v) for v in np.percentile(ratios, [25, 75]))
+    print(f"{model_dir.name} ({args.quantization}), one stream, served / offline ITL (p50): median of {len(pairs)} "
+          f"pairs {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f}); {cpu_summary()}")
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"model": str(model_dir), "quantization": args.quantization, "requests": args.requests,
-            "max_tokens": args.max_tokens, "threads": args.threads, "machine": machine, "rounds": rounds,
-            "served_over_offline_median": statistics.median(ratios)}
+            "max_tokens": args.max_tokens, "threads": args.threads, "machine": machine, "pairs": pairs,
+            "served_over_offline_median": statistics.median(ratios),
+            "served_over_offline_quartiles": [round(q1, 4), round(q3, 4)]}
     (args.out / "itl.json").write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -1,5 +1,6 @@
-"""bench_itl on a real tritonserver and the offline engine (the tiny Llama): each round's ratio is its served median
-over its offline one, and every token's response is timed (the tiny model's ids often decode to no text)."""
+"""bench_itl on a real tritonserver and the offline engine (the tiny Llama): each pair's ratio is its served median
+gap over its offline one, every token's response is timed (the tiny model's ids often decode to no text), and the
+offline engine runs the served config's settings."""
 
 from __future__ import annotations
 
@@ -9,22 +10,28 @@ import statistics
 from load_tests import bench_itl
 
 
-def test_each_round_divides_the_served_median_gap_by_the_offline_one(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    gaps, served_gaps = [], bench_itl.served_gaps
+def test_each_pair_divides_the_served_median_gap_by_the_offline_one(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    served, offline = [], []
+    served_gaps, offline_gaps = bench_itl.served_gaps, bench_itl.offline_gaps
 
-    def counted(*args, **kwargs):
-        gaps.append(served_gaps(*args, **kwargs))
-        return gaps[-1]
+    def counted(gaps: list, fn):
+        def call(*args):
+            gaps.append(fn(*args))
+            return gaps[-1]
+        return call
 
-    monkeypatch.setattr(bench_itl, "served_gaps", counted)
+    monkeypatch.setattr(bench_itl, "served_gaps", counted(served, served_gaps))
+    monkeypatch.setattr(bench_itl, "offline_gaps", counted(offline, offline_gaps))
     out = tmp_path / "itl"
     bench_itl.main(["--model", str(tiny_model_dir), "--quantization", "none", "--requests", "2", "--max-tokens", "8",
-                    "--rounds", "2", "--threads", "1", "--out", str(out)])
+                    "--pairs", "3", "--threads", "1", "--out", str(out)])
     report = json.loads((out / "itl.json").read_text())
-    assert len(report["rounds"]) == 2 and [len(g) for g in gaps] == [2 * 7, 2 * 7]  # a gap per token after the first
-    for r, g in zip(report["rounds"], gaps):
-        assert r["served_itl_ms_p50"] == round(1000 * statistics.median(g), 2) > 0 and r["offline_itl_ms_p50"] > 0
-        assert r["served_over_offline"] == round(1000 * statistics.median(g) / r["offline_itl_ms_p50"], 3)
-    ratios = [r["served_over_offline"] for r in report["rounds"]]
+    # one untimed pair of 8 tokens first, then 3 timed: a gap per token after the first
+    assert [len(g) for g in served] == [len(g) for g in offline] == [7] * 4 and len(report["pairs"]) == 3
+    for p, s, o in zip(report["pairs"], served[1:], offline[1:]):
+        assert p["served_itl_ms_p50"] == round(1000 * statistics.median(s), 3) > 0
+        assert p["offline_itl_ms_p50"] == round(1000 * statistics.median(o), 3) > 0
+        assert p["served_over_offline"] == round(statistics.median(s) / statistics.median(o), 4)
+    ratios = [p["served_over_offline"] for p in report["pairs"]]
     assert report["served_over_offline_median"] == statistics.median(ratios)
-    assert f"median {statistics.median(ratios):.3f}" in capsys.readouterr().out
+    assert f"median of 3 pairs {statistics.median(ratios):.3f}" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from backend.engine.runners.manifest import (DYNAMIC_AXES, INPUT_NAMES, OUTPUT_N
                                       EngineMismatchError, TensorRTPlan, axis_maxima)
 from backend.engine.sampling import SamplingParams
 from backend.engine.sequence import Sequence
-from backend.triton.repository import set_string_parameters
+from backend.triton.repository import REPOSITORY, set_string_parameters, string_parameters
 from build_engine.llm_config import update_llm_config
 from build_engine.tensorrt_build import BuildLimits, build_plan
 
@@ -60,6 +60,14 @@ def test_update_llm_config_sets_existing_keys_and_adds_missing_ones(tmp_path):
 def test_string_values_are_escaped_and_config_without_parameters_gets_them():
     text = set_string_parameters('name: "llm"\n', {"engine_dir": 'C:\\engines\\"x"'})
     assert text == 'name: "llm"\nparameters { key: "engine_dir" value: { string_value: "C:\\\\engines\\\\\\"x\\"" } }\n'
+
+
+def test_string_parameters_read_back_what_was_written():
+    text = set_string_parameters(SAMPLE_CONFIG, {"runtime": "tensorrt", "engine_dir": 'C:\\e\\"x"'})
+    assert string_parameters(text) == {**string_parameters(SAMPLE_CONFIG), "runtime": "tensorrt",
+                                       "engine_dir": 'C:\\e\\"x"'}
+    shipped = string_parameters((REPOSITORY / "llm" / "config.pbtxt").read_text())
+    assert shipped["model"] == "default" and shipped["quantization"] == "auto" and len(shipped) > 20
 
 
 def _random_batch(rng: random.Random, max_tokens: int, max_seqs: int, q_tile: int, block_size: int):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
-_ENTRY = (r'(parameters\s*:?\s*\{{\s*key\s*:\s*"{key}"\s*value\s*:?\s*\{{\s*string_value\s*:\s*)'
-          r'"(?:[^"\\]|\\.)*"(\s*\}}\s*\}})')
-_ANY_ENTRY = re.compile(_ENTRY.format(key=r'[^"]*'))
+_ENTRY = (r'(?P<head>parameters\s*:?\s*\{{\s*key\s*:\s*"{key}"\s*value\s*:?\s*\{{\s*string_value\s*:\s*)'
+          r'"(?P<value>(?:[^"\\]|\\.)*)"(?P<tail>\s*\}}\s*\}})')
+_ANY_ENTRY = re.compile(_ENTRY.format(key=r'(?P<key>[^"]*)'))
 
 
 def _quote(value: str) -> str:
@@ -26,7 +26,7 @@ def set_string_parameters(text: str, values: dict[str, str]) -> str:
     for key, value in values.items():
         entry = re.compile(_ENTRY.format(key=re.escape(key)))
         if entry.search(text):
-            text = entry.sub(lambda m: m.group(1) + _quote(value) + m.group(2), text)
+            text = entry.sub(lambda m: m["head"] + _quote(value) + m["tail"], text)
             continue
         line = f"parameters {{ key: {_quote(key)} value: {{ string_value: {_quote(value)} }} }}"
         entries = list(_ANY_ENTRY.finditer(text))
@@ -36,6 +36,11 @@ def set_string_parameters(text: str, values: dict[str, str]) -> str:
         else:
             text = text.rstrip("\n") + "\n" + line + "\n"
     return text
+
+
+def string_parameters(text: str) -> dict[str, str]:
+    """A config.pbtxt's string `parameters`, by key (what the model's `initialize` reads)."""
+    return {m["key"]: re.sub(r"\\(.)", r"\1", m["value"]) for m in _ANY_ENTRY.finditer(text)}
 
 
 def configure_repository(dst: Path, parameters: dict[str, dict[str, str]], src: Path = REPOSITORY,
