@@ -61,7 +61,7 @@ class CpuShare:
         except (OSError, ValueError):
             return None
         threads = torch.get_num_threads()
-        return cls(threads, cpus, threads, window_s, None, busy, time.process_time())  # idle until a first step
+        return cls(threads, cpus, threads, window_s, time.monotonic(), busy, time.process_time())
 
     def others(self) -> float:
         """CPUs other processes used on average over the window's time with work (starts the next window)."""

@@ -111,6 +111,8 @@ class LLMEngine:
         num_blocks = kv_pool_blocks(config, model_cfg)
         self.runner = runner or create_runner(config, num_blocks)
         self.cpu_share = CpuShare.start() if (config.runtime, config.device) == ("torch", "cpu") else None
+        if self.cpu_share is not None:
+            self.cpu_share.idle()  # until its first step: what others do meanwhile (a server starting) does not count
         self.model_config = model_cfg
         self.max_model_len = min(config.scheduler.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings, num_blocks * cache.block_size)
