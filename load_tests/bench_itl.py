@@ -89,16 +89,26 @@ def run_pairs(served: System, engine: LLMEngine, items: list[Item], count: int) 
     return pairs
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_pair_args(p: argparse.ArgumentParser, pairs: int, out: str) -> None:
+    """The options of a benchmark that runs requests in pairs (this one, bench_served_ab)."""
     p.add_argument("--model", default="default", help="'default' (SmolLM2) or a model folder (HF, or with a GGUF)")
     p.add_argument("--quantization", default="auto", help="the llm's `quantization` setting, for both")
     p.add_argument("--requests", type=int, default=4, help="distinct prompts, taken in turn")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--pairs", type=int, default=12, help="served and offline requests, a pair at a time")
+    p.add_argument("--pairs", type=int, default=pairs)
     p.add_argument("--threads", type=int, default=2, help="OMP threads of both")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/itl"))
+    p.add_argument("--out", type=Path, default=Path(out))
+
+
+def median_and_quartiles(values: list[float]) -> dict[str, float]:
+    q1, q3 = (float(v) for v in np.percentile(values, [25, 75]))
+    return {"median": round(statistics.median(values), 4), "q1": round(q1, 4), "q3": round(q3, 4)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_args(p, pairs=12, out="results/itl")
     return p.parse_args(argv)
 
 
@@ -117,15 +127,13 @@ def main(argv: list[str] | None = None) -> None:
         engine = LLMEngine(engine_config_from_settings(string_parameters((repo / "llm" / "config.pbtxt").read_text())))
         with triton_system(repo, "llm", timeout=120.0) as served:
             pairs = run_pairs(served, engine, items, args.pairs)
-    ratios = [p["served_over_offline"] for p in pairs]
-    q1, q3 = (float(v) for v in np.percentile(ratios, [25, 75]))
+    ratio = median_and_quartiles([p["served_over_offline"] for p in pairs])
     print(f"{model_dir.name} ({args.quantization}), one stream, served / offline ITL (p50): median of {len(pairs)} "
-          f"pairs {statistics.median(ratios):.3f} (quartiles {q1:.3f}-{q3:.3f}); {cpu_summary()}")
+          f"pairs {ratio['median']:.3f} (quartiles {ratio['q1']:.3f}-{ratio['q3']:.3f}); {cpu_summary()}")
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"model": str(model_dir), "quantization": args.quantization, "requests": args.requests,
             "max_tokens": args.max_tokens, "threads": args.threads, "machine": machine, "pairs": pairs,
-            "served_over_offline_median": statistics.median(ratios),
-            "served_over_offline_quartiles": [round(q1, 4), round(q3, 4)]}
+            "served_over_offline": ratio}
     (args.out / "itl.json").write_text(json.dumps(data, indent=2) + "\n")
 
 

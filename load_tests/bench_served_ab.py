@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ import numpy as np
 from backend.engine.kernels.cpu_kernels import REPO_ROOT
 from backend.triton.launcher import TritonServer
 from client.client import LLMClient
+from load_tests.bench_itl import add_pair_args, median_and_quartiles
 from load_tests.bench_offline import resolve_model
 from load_tests.bench_online import Item, make_items, ours_repository
 from load_tests.machine import cpu_summary
@@ -82,24 +82,11 @@ def run_pairs(a: list[LLMClient], b: list[LLMClient], items: list[Item], count: 
     return pairs
 
 
-def summary(pairs: list[dict[str, float]], key: str) -> dict[str, float]:
-    values = [p[key] for p in pairs]
-    q1, q3 = (float(v) for v in np.percentile(values, [25, 75]))
-    return {"median": round(statistics.median(values), 4), "q1": round(q1, 4), "q3": round(q3, 4)}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--b-tree", type=Path, required=True, help="a checkout whose `backend` B runs")
-    p.add_argument("--model", default="default", help="'default' (SmolLM2) or a model folder (HF, or with a GGUF)")
-    p.add_argument("--quantization", default="auto", help="the llm's `quantization` setting, for both")
     p.add_argument("--streams", type=int, default=1, help="requests at once on each side")
-    p.add_argument("--pairs", type=int, default=16)
-    p.add_argument("--requests", type=int, default=4, help="distinct prompts, taken in turn")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2, help="OMP threads of both")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/served_ab"))
+    add_pair_args(p, pairs=16, out="results/served_ab")
     return p.parse_args(argv)
 
 
@@ -128,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 for client in a + b:
                     client.close()
-    itl, tps = summary(pairs, "itl_a_over_b"), summary(pairs, "tok_s_a_over_b")
+    itl, tps = (median_and_quartiles([p[key] for p in pairs]) for key in ("itl_a_over_b", "tok_s_a_over_b"))
     print(f"{model_dir.name} ({args.quantization}), {args.streams} streams, A over B, median of {len(pairs)} pairs: "
           f"ITL p50 {itl['median']:.3f} (quartiles {itl['q1']:.3f}-{itl['q3']:.3f}), tokens/s {tps['median']:.3f} "
           f"({tps['q1']:.3f}-{tps['q3']:.3f}); {cpu_summary()}")
