@@ -106,6 +106,18 @@ def median_and_quartiles(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 4), "q1": round(q1, 4), "q3": round(q3, 4)}
 
 
+def pair_workload(args: argparse.Namespace) -> tuple[Path, list[Item], str]:
+    """From add_pair_args' options: the OpenMP environment both sides start with, the model folder, the requests and
+    the machine's description."""
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.update(openmp_env(dict(os.environ)))  # the server's OpenMP defaults, for an engine in this process too
+    model_dir = resolve_model(None if args.model == "default" else args.model)
+    items = [dataclasses.replace(i, max_tokens=args.max_tokens)
+             for i in make_items(model_dir, args.requests, args.seed)]
+    machine = f"{cpu_summary()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"
+    return model_dir, items, machine
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p, pairs=12, out="results/itl")
@@ -114,12 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.update(openmp_env(dict(os.environ)))  # the server's OpenMP defaults, for the offline engine too
-    model_dir = resolve_model(None if args.model == "default" else args.model)
-    items = [dataclasses.replace(i, max_tokens=args.max_tokens)
-             for i in make_items(model_dir, args.requests, args.seed)]
-    machine = f"{cpu_summary()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"
+    model_dir, items, machine = pair_workload(args)
     print(f"{model_dir.name}, quantization {args.quantization}: {args.pairs} pairs of {args.max_tokens}-token "
           f"requests; {machine}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -32,9 +31,8 @@ import numpy as np
 from backend.engine.kernels.cpu_kernels import REPO_ROOT
 from backend.triton.launcher import TritonServer
 from client.client import LLMClient
-from load_tests.bench_itl import add_pair_args, median_and_quartiles
-from load_tests.bench_offline import resolve_model
-from load_tests.bench_online import Item, make_items, ours_repository
+from load_tests.bench_itl import add_pair_args, median_and_quartiles, pair_workload
+from load_tests.bench_online import Item, ours_repository
 from load_tests.machine import cpu_summary
 from load_tests.streams import grpc_stream
 
@@ -60,7 +58,8 @@ def run_side(clients: list[LLMClient], item: Item) -> tuple[float, float]:
         if r.output_tokens != item.max_tokens:
             raise RuntimeError(f"{r.output_tokens} output tokens, wanted {item.max_tokens}")
     seconds = max(r.end for r in records) - min(r.start for r in records)
-    return 1000 * float(np.median([g for r in records for g in r.itls])), sum(r.output_tokens for r in records) / seconds
+    itl_ms = 1000 * float(np.median([g for r in records for g in r.itls]))
+    return itl_ms, sum(r.output_tokens for r in records) / seconds
 
 
 def run_pairs(a: list[LLMClient], b: list[LLMClient], items: list[Item], count: int) -> list[dict[str, float]]:
@@ -95,12 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     b_tree = args.b_tree.resolve()
     if not (b_tree / "backend" / "__init__.py").is_file():
         raise SystemExit(f"--b-tree: {b_tree} holds no backend package")
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("LLM_KERNEL_CACHE", str(REPO_ROOT / ".cache" / "kernels"))
-    model_dir = resolve_model(None if args.model == "default" else args.model)
-    items = [dataclasses.replace(i, max_tokens=args.max_tokens)
-             for i in make_items(model_dir, args.requests, args.seed)]
-    machine = f"{cpu_summary()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}"
+    model_dir, items, machine = pair_workload(args)
     print(f"{model_dir.name}, quantization {args.quantization}: A this tree, B {b_tree}; {args.pairs} pairs of "
           f"{args.streams} x {args.max_tokens}-token requests; {machine}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -16,8 +16,9 @@ before the next step, and polls the clients' cancellations meanwhile. The hooks 
 step's metric updates ran beside the next forward, whose threads hold the CPUs and the GIL between ops, and took
 2.7 ms there against 0.2 ms between steps, stretching the step from 8.1 to 10.8 ms (SmolLM2 at one stream, Zen 3,
 2026-12-03). Measured on 2 CPUs with 2 OpenMP threads (SmolLM2-135M, 40 streams), sending beside a step
-stretched a 40-sequence decode step from 112 to 130-140 ms, since every wake-up of the output thread, the server and the stub's IPC thread lands on a CPU an OpenMP thread
-needs; waiting costs ~17 ms a step instead (README, Benchmarks: 2-5 % more tokens per second served). With
+stretched a 40-sequence decode step from 112 to 130-140 ms, since every wake-up of the output thread, the server
+and the stub's IPC thread lands on a CPU an OpenMP thread needs; waiting costs ~17 ms a step instead (README,
+Benchmarks: 2-5 % more tokens per second served). With
 one OpenMP thread on the same 2 CPUs, sending beside the step served ~2 % more than waiting.
 The sends stay on one thread. Spread over four (each request's outputs on one of them, the metric updates
 under a lock), the sends and cancellation polls after a 40-sequence step took as long as on one (~16 ms): a
