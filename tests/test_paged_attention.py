@@ -1,7 +1,7 @@
 """The CPU paged-attention kernel equals the gather path (the graph ONNX Runtime and TensorRT run,
 itself checked against HF) on mixed batches: decodes, a whole prompt, prefill chunks mid-sequence,
-blocks shared between sequences, in every dtype the kernel takes, and from an int8 cache (kv_quantization.py),
-which both read as the same rounded rows."""
+blocks shared between sequences, in every dtype the kernel takes, and from an int8 or (under a float32 q) a float16
+cache (kv_quantization.py), which both read as the same rounded rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from backend.engine.batch import build_model_input
 from backend.engine.kernels import cpu_kernels
-from backend.engine.kv_quantization import quantize
+from backend.engine.kv_quantization import stored
 from backend.engine.models.config import ModelConfig
 from backend.engine.models.llama import DecoderLayer, KernelLayout, RowLayout, split_attend
 from backend.engine.sampling import SamplingParams
@@ -44,46 +44,46 @@ def scheduled_batch(rng: np.random.Generator, num_blocks: int,
 
 
 @pytest.mark.parametrize("heads", [(H, KVH, D), (9, 3, 64)])  # SmolLM2's: bfloat16 prefill in AMX tiles, where it is
-@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
-                                               (torch.float16, 3e-3, False), (torch.float32, 2e-5, True),
-                                               (torch.bfloat16, 3e-2, True)])
-def test_kernel_equals_gather(dtype, tol, kv_int8, heads):
-    check_kernel_equals_gather(dtype, tol, kv_int8, heads, MIXED, 64)
+@pytest.mark.parametrize("dtype,tol,kv", [(torch.float32, 2e-5, None), (torch.bfloat16, 3e-2, None),
+                                          (torch.float16, 3e-3, None), (torch.float32, 2e-5, torch.int8),
+                                          (torch.bfloat16, 3e-2, torch.int8), (torch.float32, 2e-5, torch.float16)])
+def test_kernel_equals_gather(dtype, tol, kv, heads):
+    check_kernel_equals_gather(dtype, tol, kv, heads, MIXED, 64)
 
 
 def test_long_decodes_read_in_segments_equal_gather():
     check_kernel_equals_gather(torch.float32, 2e-5, False, (9, 3, 64), LONG_DECODES, 600)
 
 
-@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
-                                               (torch.float32, 2e-5, True)])
-def test_a_lone_decode_split_by_kv_heads_equals_gather(dtype, tol, kv_int8):
+@pytest.mark.parametrize("dtype,tol,kv", [(torch.float32, 2e-5, None), (torch.bfloat16, 3e-2, None),
+                                          (torch.float32, 2e-5, torch.int8), (torch.float32, 2e-5, torch.float16)])
+def test_a_lone_decode_split_by_kv_heads_equals_gather(dtype, tol, kv):
     """One decode and more threads: its KV heads in parts, a thread each (3 KV heads: 1 and 2), past a segment's
     length; test_a_generated_token_attends_as_a_decode_in_any_chunk holds such a decode to the same token's bits in a
     batch, where it is not split."""
-    check_kernel_equals_gather(dtype, tol, kv_int8, (9, 3, 64), [(1001, 1)], 600)
+    check_kernel_equals_gather(dtype, tol, kv, (9, 3, 64), [(1001, 1)], 600)
 
 
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)])  # Gemma 3's head_dim 256: 32 vectors on AVX2
-@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
-                                               (torch.float32, 2e-5, True)])
-def test_a_sliding_window_equals_gather(dtype, tol, kv_int8, heads):
+@pytest.mark.parametrize("dtype,tol,kv", [(torch.float32, 2e-5, None), (torch.bfloat16, 3e-2, None),
+                                          (torch.float32, 2e-5, torch.int8), (torch.float32, 2e-5, torch.float16)])
+def test_a_sliding_window_equals_gather(dtype, tol, kv, heads):
     """A sliding layer (the last 9 keys, the query's own included) in decodes, tiles of a chunk and long decodes."""
-    check_kernel_equals_gather(dtype, tol, kv_int8, heads, MIXED + LONG_DECODES[2:], 160, window=9)
+    check_kernel_equals_gather(dtype, tol, kv, heads, MIXED + LONG_DECODES[2:], 160, window=9)
 
 
 @pytest.mark.parametrize("window", [0, 9])
-@pytest.mark.parametrize("dtype,tol,kv_int8", [(torch.float32, 2e-5, False), (torch.bfloat16, 3e-2, False),
-                                               (torch.float32, 2e-5, True)])
-def test_attention_sinks_equal_gather(dtype, tol, kv_int8, window):
+@pytest.mark.parametrize("dtype,tol,kv", [(torch.float32, 2e-5, None), (torch.bfloat16, 3e-2, None),
+                                          (torch.float32, 2e-5, torch.int8), (torch.float32, 2e-5, torch.float16)])
+def test_attention_sinks_equal_gather(dtype, tol, kv, window):
     """gpt-oss's sinks (a logit per head in each softmax's sum), with and without a window: the kernel's decodes,
     tiles and long decodes equal the gather path's, which counts each sink as one more key of zero value (and which
     test_model_families holds to HF). Sinks of -3..3: some outweigh every key, some none."""
     sinks = torch.linspace(-3.0, 3.0, 9)
-    check_kernel_equals_gather(dtype, tol, kv_int8, (9, 3, 64), MIXED + LONG_DECODES[2:], 160, window, sinks)
+    check_kernel_equals_gather(dtype, tol, kv, (9, 3, 64), MIXED + LONG_DECODES[2:], 160, window, sinks)
 
 
-def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, heads: tuple[int, int, int],
+def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv: torch.dtype | None, heads: tuple[int, int, int],
                                cases: list[tuple[int, int]], num_blocks: int, window: int = 0,
                                sinks: torch.Tensor | None = None) -> None:
     H, KVH, D = heads
@@ -95,8 +95,8 @@ def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, he
     T = batch.num_tokens
     q, k, v = (torch.randn(T, n, D, generator=gen).to(dtype) for n in (H, KVH, KVH))
     cache_k, cache_v = (torch.randn(num_blocks, BLOCK, KVH, D, generator=gen).to(dtype) for _ in range(2))
-    if kv_int8:
-        cache_k, cache_v = quantize(cache_k), quantize(cache_v)
+    if kv:  # the cache narrower than q
+        cache_k, cache_v = stored(cache_k, kv), stored(cache_v, kv)
     t = {name: torch.from_numpy(a) for name, a in vars(batch).items() if a is not None}  # no LoRA groups
 
     rows = RowLayout(t["row_block_tables"], t["row_token_index"], t["positions"][t["row_token_index"]],
@@ -109,11 +109,12 @@ def check_kernel_equals_gather(dtype: torch.dtype, tol: float, kv_int8: bool, he
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
     # the kernel wrote the new K/V where the runner would have
     flat = cache_k.view(-1, KVH, cache_k.shape[-1])[t["slot_mapping"]]
-    assert torch.equal(flat, quantize(k) if kv_int8 else k)
+    assert torch.equal(flat, stored(k, kv) if kv else k)
 
 
-@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_a_generated_token_attends_as_a_decode_in_any_chunk(dtype, kv_int8):
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8),
+                                      (torch.float32, torch.float16)])
+def test_a_generated_token_attends_as_a_decode_in_any_chunk(dtype, kv):
     """With prompt_lens, a generated token's attention is the bits of its own decode step, whether it is verified
     with speculative drafts after it (sequence 0: 1 + 5 tokens past a 20-token prompt) or recomputed with its prompt
     after a preemption (sequence 1: a 10-token prompt and 5 outputs in one chunk), while prompt tokens still go in
@@ -122,8 +123,8 @@ def test_a_generated_token_attends_as_a_decode_in_any_chunk(dtype, kv_int8):
     cpu_kernels.load()
     gen = torch.Generator().manual_seed(3)
     cache = [torch.randn(32, BLOCK, KVHs, Ds, generator=gen).to(dtype) for _ in range(2)]
-    if kv_int8:
-        cache = [quantize(c) for c in cache]
+    if kv:
+        cache = [stored(c, kv) for c in cache]
     tables = torch.tensor([list(range(0, 14, 2)), list(range(1, 15, 2))])  # 7 blocks each, interleaved
     chunks, context, prompt = [6, 15], [28, 15], [20, 10]
     T = sum(chunks)
@@ -154,7 +155,7 @@ def test_kernel_rejects_mismatched_dtypes():
     q = torch.zeros(1, H, D)
     cache = torch.zeros(2, BLOCK, KVH, D, dtype=torch.bfloat16)
     idx = torch.zeros(1, 1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="in q's dtype or int8"):
+    with pytest.raises(RuntimeError, match="in q's dtype, int8, or float16 under a float32 q"):
         torch.ops.llm_kernels.paged_attention(q, cache, cache, idx, torch.tensor([0, 1]), torch.tensor([1]), 1.0)
 
 
@@ -175,8 +176,26 @@ def test_write_rows_is_index_copy(dtype):
         torch.ops.llm_kernels.write_rows(k, v, *caches, torch.tensor([9, 0, 32, 4, 17]))
 
 
-@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_attend_qkv_is_the_split_the_rotary_and_the_attention(dtype, kv_int8):
+def test_write_rows_rounds_float32_rows_into_a_float16_cache_as_half_does():
+    """`kv_cache_dtype: float16` under a float32 model: each value rounded to nearest even, as Tensor.half(); values
+    past float16's range go to infinity as it sends them, tiny ones to its subnormals."""
+    cpu_kernels.load()
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, (H + 2 * KVH) * D, generator=gen) * torch.logspace(-8, 5, D).repeat(H + 2 * KVH)
+    k, v = (qkv[:, (H + i * KVH) * D:(H + (i + 1) * KVH) * D].view(5, KVH, D) for i in (0, 1))
+    slots = torch.tensor([9, 0, 31, 4, 17])
+    caches = [torch.zeros(8, BLOCK, KVH, D, dtype=torch.float16) for _ in range(2)]
+    torch.ops.llm_kernels.write_rows(k, v, *caches, slots)
+    for cache, x in zip(caches, (k, v)):
+        assert torch.equal(cache.view(-1, KVH, D)[slots], x.half())
+    written = caches[0].view(-1, KVH, D)[slots]
+    assert written.isinf().any() and ((written != 0) & (written.abs() < 6e-5)).any()
+    assert caches[0].view(-1, KVH, D)[[1, 2, 3]].eq(0).all()  # nothing else written
+
+
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8),
+                                      (torch.float32, torch.float16)])
+def test_attend_qkv_is_the_split_the_rotary_and_the_attention(dtype, kv):
     """llm_kernels.attend_qkv, the kernel path's one call a layer between its qkv and o projections, equals what it
     fuses called one by one (split_attend: the split, the rotary kernel, the K/V write, the attention kernel): the
     same bits, in the output, in q and k rotated in place, and in the cache."""
@@ -190,8 +209,8 @@ def test_attend_qkv_is_the_split_the_rotary_and_the_attention(dtype, kv_int8):
     qkv = torch.randn(T, (Hs + 2 * KVHs) * Ds, generator=gen).to(dtype)
     cos, sin = (torch.randn(T, Ds, generator=gen).to(dtype) for _ in range(2))
     caches = [torch.randn(64, BLOCK, KVHs, Ds, generator=gen).to(dtype) for _ in range(2)]
-    if kv_int8:
-        caches = [quantize(c) for c in caches]
+    if kv:
+        caches = [stored(c, kv) for c in caches]
     kernel = KernelLayout(t["block_tables"], t["query_start"], t["context_lens"], t["slot_mapping"])
 
     expected_qkv, expected_caches = qkv.clone(), [c.clone() for c in caches]

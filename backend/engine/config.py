@@ -69,7 +69,8 @@ class CacheConfig:
     # tenant: a tenant's requests share cached prefixes only among themselves (the tenant enters the first block's
     # hash, so no tenant can time another's prompts); global: everyone's requests share them
     prefix_cache_scope: PrefixCacheScope = "tenant"
-    # auto: the model's dtype; int8: a scale per (token, KV head) row, 3.8x the tokens per GB (kv_quantization.py)
+    # auto: the model's dtype; float16 (a float32 model's; llama.cpp's default cache): 2x the tokens per GB; int8: a
+    # scale per (token, KV head) row, 3.8x (kv_quantization.py)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -127,6 +128,9 @@ class EngineConfig:
             raise ValueError(f"lora_modules: {why}")
         if self.cache.kv_cache_dtype != "auto" and (why := self.torch_cpu_only(f"{self.cache.kv_cache_dtype} is")):
             raise ValueError(f"kv_cache_dtype: {why}")
+        if self.cache.kv_cache_dtype == "float16" and self.dtype == "bfloat16":
+            raise ValueError("kv_cache_dtype: float16 stores a float32 model's K/V; a bfloat16 model's cache is "
+                             "bfloat16 (auto) or int8")
         if (self.scheduler.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model: set it (a model folder with the model's tokenizer) exactly when "
                              f"speculative is draft (speculative: {self.scheduler.speculative})")

@@ -67,10 +67,16 @@ inline vfloat load(const c10::BFloat16* p) {  // bfloat16 is the top half of a f
   return v;
 }
 
-inline vfloat load(const c10::Half* p) {
+inline vfloat load(const c10::Half* p) {  // F16C's conversion where the CPU has it (every AVX2 one): exact
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<vfloat>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
   vfloat v;
   for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
+#endif
 }
 
 inline vfloat load(const int8_t* p) {  // an int8 KV row's values (kv_quantization.py), unscaled
@@ -99,8 +105,16 @@ inline void store(c10::BFloat16* p, vfloat v) {
   std::memcpy(p, &raw, sizeof raw);
 }
 
-inline void store(c10::Half* p, vfloat v) {
+inline void store(c10::Half* p, vfloat v) {  // rounded to nearest even, as c10::Half(float)
+#if defined(__AVX512F__)
+  const __m256i h = _mm512_cvtps_ph(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEAREST_INT);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+#elif defined(__F16C__)
+  const __m128i h = _mm256_cvtps_ph(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEAREST_INT);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+#else
   for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
+#endif
 }
 
 // v rounded to the storage dtype and back, every lane (float: v itself).

@@ -654,7 +654,8 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
   }
 }
 
-// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] in q's dtype, or [..., D + 4] int8;
+// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] in q's dtype (or float16 under a float32 q), or
+// [..., D + 4] int8;
 // block_tables [S, B]; query_start [S + 1]; context_lens [S] (int64). Returns [T, H, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
@@ -663,8 +664,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_attention: bad shapes");
   const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_attention: the cache must be in q's dtype or int8");
+  const bool half = k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat;  // kv_cache_dtype float16
+  TORCH_CHECK((int8 || half || q.scalar_type() == k_cache.scalar_type()) &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: the cache must be in q's dtype, int8, or float16 under a float32 q");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) + (int8 ? 4 : 0) == k_cache.size(3),
               "paged_attention: head mismatch");
   TORCH_CHECK(q.size(2) % kLanes == 0, "paged_attention: head_dim a multiple of ", kLanes,
@@ -688,10 +691,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       attend(qc.data_ptr<scalar_t>(), k, v, out.data_ptr<scalar_t>(), bt.data_ptr<int64_t>(), qs.data_ptr<int64_t>(),
              cl.data_ptr<int64_t>(), pl.defined() ? pl.data_ptr<int64_t>() : nullptr, cl.size(0), shape);
     };
-    if (int8)
+    if (int8) {
       run(kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>());
-    else
+    } else if (half) {
+      if constexpr (std::is_same_v<scalar_t, float>) run(kc.data_ptr<c10::Half>(), vc.data_ptr<c10::Half>());
+    } else {
       run(kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>());
+    }
   });
   return out;
 }
@@ -727,29 +733,43 @@ void write_int8_rows(const at::Tensor& x, at::Tensor& cache, const at::Tensor& s
 }
 
 // A step's new keys and values into the cache rows of their slots: index_copy_'s result, in one call for both (two
-// index_copy_ calls a layer were ~3 % of a decode step of 48 sequences, nearly all of it dispatch).
+// index_copy_ calls a layer were ~3 % of a decode step of 48 sequences, nearly all of it dispatch). Float32 ones into a
+// float16 cache are rounded to nearest even, as Tensor.half() rounds them.
 void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k, at::Tensor& cache_v,
                 const at::Tensor& slot_mapping) {
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  const bool half = cache_k.scalar_type() == at::kHalf && k.scalar_type() == at::kFloat;
   const auto check = [&](const at::Tensor& x, const at::Tensor& cache) {
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(0) == T &&
                 x.size(1) * x.size(2) == row && cache.is_contiguous() && cache.dim() == 4 &&
                 cache.size(2) * cache.size(3) == row && cache.sizes() == cache_k.sizes() &&
-                cache.scalar_type() == x.scalar_type(),
-                "write_rows: k, v [T, KVH, D], each row contiguous; caches [blocks, block_size, KVH, D] of their dtype");
+                (cache.scalar_type() == x.scalar_type() || (half && x.scalar_type() == at::kFloat)),
+                "write_rows: k, v [T, KVH, D], each row contiguous; caches [blocks, block_size, KVH, D] of their dtype "
+                "(or float16)");
   };
   check(k, cache_k);
   check(v, cache_v);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T, "write_rows: T int64 slots");
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t bytes = row * k.element_size(), limit = cache_k.size(0) * cache_k.size(1);
+  const int64_t bytes = row * cache_k.element_size(), limit = cache_k.size(0) * cache_k.size(1);
+  const auto copy = [&](const at::Tensor& x, at::Tensor& cache, int64_t t) {
+    char* to = static_cast<char*>(cache.data_ptr()) + slot[t] * bytes;
+    const char* from = static_cast<const char*>(x.data_ptr()) + t * x.stride(0) * x.element_size();
+    if (!half) {
+      std::memcpy(to, from, bytes);
+      return;
+    }
+    const float* in = reinterpret_cast<const float*>(from);
+    c10::Half* out = reinterpret_cast<c10::Half*>(to);
+    int64_t i = 0;
+    for (; i + kLanes <= row; i += kLanes) store(out + i, load(in + i));
+    for (; i < row; ++i) out[i] = static_cast<c10::Half>(in[i]);
+  };
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < limit, "write_rows: slot ", slot[t], " outside the cache");
-    std::memcpy(static_cast<char*>(cache_k.data_ptr()) + slot[t] * bytes,
-                static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * k.element_size(), bytes);
-    std::memcpy(static_cast<char*>(cache_v.data_ptr()) + slot[t] * bytes,
-                static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * v.element_size(), bytes);
+    copy(k, cache_k, t);
+    copy(v, cache_v, t);
   }
 }
 

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from backend.engine.kv_quantization import as_stored, dequantize
+from backend.engine.kv_quantization import as_stored, widened
 from backend.engine.models.config import FULL, SLIDING, ModelConfig, load_model_config, rope_tables
 from backend.engine.models.layers import Linear, RMSNorm
 from backend.engine.models.moe import CHECKPOINT_NAMES, MoE, combine_experts, group_by_expert, split_stacked_experts
@@ -332,8 +332,9 @@ def _gather_attention(q, k, v, cache_k, cache_v, rows: RowLayout, cfg: ModelConf
     # [num_blocks, block_size, KVH, D] -> the rows' keys [R*C, KVH, D], then the new keys into their slots.
     # The gather makes a fresh tensor, so the scatter can be in place (out of place would copy it again).
     keys, values = cache_k[rows.block_tables], cache_v[rows.block_tables]
-    if cache_k.dtype == torch.int8:  # an int8 cache (eager only): its rows, and the new K/V as it will hold them
-        keys, values, k, v = dequantize(keys, q.dtype), dequantize(values, q.dtype), as_stored(k), as_stored(v)
+    if cache_k.dtype != q.dtype:  # a narrower cache (eager only): its rows, and the new K/V as it will hold them
+        keys, values = widened(keys, q.dtype), widened(values, q.dtype)
+        k, v = as_stored(k, cache_k.dtype), as_stored(v, cache_k.dtype)
     keys = keys.reshape(R * C, KVH, D)
     keys.index_copy_(0, rows.kv_dst, k[rows.kv_src])
     values = values.reshape(R * C, KVH, D)

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from backend.engine.batch import ModelInput
-from backend.engine.kv_quantization import SCALE_BYTES, quantize
+from backend.engine.kv_quantization import SCALE_BYTES, cache_dtype, stored
 from backend.engine.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,11 +40,11 @@ class Runner(Protocol):
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device, kv_cache_dtype: str = "auto") -> torch.Tensor:
-    """The runner-owned cache [layers, 2, num_blocks, block_size, kv_heads, head_dim], zeroed; with `kv_cache_dtype`
-    int8, rows of head_dim + 4 int8s (kv_quantization.py)."""
+    """The runner-owned cache [layers, 2, num_blocks, block_size, kv_heads, head_dim], zeroed, in `kv_cache_dtype`
+    (kv_quantization.py; int8: rows of head_dim + 4 int8s)."""
     int8 = kv_cache_dtype == "int8"
     return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim + SCALE_BYTES * int8,
-                       dtype=torch.int8 if int8 else dtype, device=device)
+                       dtype=cache_dtype(dtype, kv_cache_dtype), device=device)
 
 
 def graph_outputs(cfg: ModelConfig, batch: ModelInput, dtype: torch.dtype,
@@ -59,9 +59,8 @@ def graph_outputs(cfg: ModelConfig, batch: ModelInput, dtype: torch.dtype,
 
 def write_new_kv(kv_cache: torch.Tensor, batch: ModelInput, new_kv: torch.Tensor) -> None:
     """The step's new K/V [layers, 2, T, kv_heads, head_dim] into the cache, in place, at `slot_mapping` (rounded to
-    int8 rows in an int8 cache)."""
+    a narrower cache's dtype)."""
     layers, _, num_blocks, block_size, kv_heads, width = kv_cache.shape
     slots = torch.from_numpy(batch.slot_mapping).to(kv_cache.device)
-    if kv_cache.dtype == torch.int8:
-        new_kv = quantize(new_kv)
+    new_kv = stored(new_kv, kv_cache.dtype)
     kv_cache.view(layers, 2, num_blocks * block_size, kv_heads, width).index_copy_(2, slots, new_kv)

@@ -1,14 +1,15 @@
-"""`kv_cache_dtype: int8` (backend/engine/kv_quantization.py): each row rounded to nearest on its own scale, the model
-on an int8 cache within stated bounds of the float32 cache (kernel and gather attention), the pool holding 3.76x the
-blocks per GB, an engine serving from it without leaking a block (prefix hits, chunked prefill, a mixed batch), int8
-blocks moving between engines (disaggregated prefill), config.pbtxt's `kv_cache_dtype` through a real tritonserver, and
-the refusals by name. The kernel against the gather path
-on int8 rows: tests/test_paged_attention.py; n-gram speculation on an int8 cache: tests/test_speculative.py.
+"""`kv_cache_dtype: float16 | int8` (backend/engine/kv_quantization.py): int8 rows rounded to nearest on their own
+scale; the model on a narrower cache within stated bounds of the float32 cache (kernel and gather attention), the pool
+holding 2x (float16) and 3.76x (int8) the blocks per GB, an engine serving from it without leaking a block (prefix
+hits, chunked prefill, a mixed batch), blocks moving between engines of one cache dtype only (disaggregated prefill),
+config.pbtxt's `kv_cache_dtype` through a real tritonserver, and the refusals by name. The kernel against the gather
+path on narrower rows: tests/test_paged_attention.py; n-gram speculation on an int8 cache: tests/test_speculative.py.
 
 Bounds (teacher-forced over 200 fixed tokens, the tiny seeded random Llama, whose logits are far more sensitive to
-rounding than a trained model's): relative L2 error of a position's logits 0.07 on average (measured 0.044, both
-attention paths), the float32 cache's argmax kept at >= 90 % of positions (measured 96.5 %). SmolLM2 over the same
-tokens: 0.005 and 96 % (load_tests/bench_quantization.py gives its perplexity).
+rounding than a trained model's): int8, relative L2 error of a position's logits 0.07 on average (measured 0.044, both
+attention paths), the float32 cache's argmax kept at >= 90 % of positions (measured 96.5 %); float16, 0.005 and 98 %
+(measured 0.0025 and 99.5 %, both paths). SmolLM2 over the same tokens, int8: 0.005 and 96 %
+(load_tests/bench_quantization.py gives its perplexity).
 """
 
 from __future__ import annotations
@@ -61,58 +62,61 @@ def float_cache_logits(tiny_model_dir) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("attention", ["kernel", "gather"])
-def test_an_int8_cache_is_within_its_bounds_of_the_float32_cache(tiny_model_dir, float_cache_logits, attention):
+@pytest.mark.parametrize("kv, dtype, width, bounds", [("int8", torch.int8, 4, (0.07, 0.90)),
+                                                      ("float16", torch.float16, 0, (0.005, 0.98))])
+def test_a_narrower_cache_is_within_its_bounds_of_the_float32_cache(tiny_model_dir, float_cache_logits, attention, kv,
+                                                                    dtype, width, bounds):
     runner = TorchRunner(tiny_model_dir, "float32", 64, 16, attention=attention, gemm_backend="aten",
-                         kv_cache_dtype="int8")
+                         kv_cache_dtype=kv)
     cfg = runner.model_config
-    assert runner.kv_cache.dtype == torch.int8
-    assert runner.kv_cache.shape == (cfg.num_layers, 2, 64, 16, cfg.num_kv_heads, cfg.head_dim + 4)
+    assert runner.kv_cache.dtype == dtype
+    assert runner.kv_cache.shape == (cfg.num_layers, 2, 64, 16, cfg.num_kv_heads, cfg.head_dim + width)
     logits = all_logits(runner)
-    assert_near(logits, float_cache_logits, 0.07, 0.90)
+    assert_near(logits, float_cache_logits, *bounds)
     assert not torch.equal(logits, float_cache_logits)  # the rows were rounded
 
 
 def test_the_pool_holds_what_the_rows_shrank(tiny_model_dir):
-    """Same kv_cache_memory_gb: int8 rows of head_dim 16 take 20 bytes where float32 takes 64."""
-    float_engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_memory_gb=0.01))
-    int8_engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_memory_gb=0.01,
-                                                kv_cache_dtype="int8"))
-    cfg = float_engine.model_config
+    """Same kv_cache_memory_gb: rows of head_dim 16 take 32 bytes in float16 and 20 in int8 where float32 takes 64."""
+    engines = [LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_memory_gb=0.01, kv_cache_dtype=kv))
+               for kv in ("auto", "float16", "int8")]
+    cfg = engines[0].model_config
     row_budget = int(0.01 * 2**30) // (cfg.num_layers * 2 * cfg.num_kv_heads)  # the pool's bytes per row of a token
-    assert (float_engine.kv.num_blocks, int8_engine.kv.num_blocks) == (row_budget // 64 // 16, row_budget // 20 // 16)
-    for engine in (float_engine, int8_engine):
+    assert [e.kv.num_blocks for e in engines] == [row_budget // row // 16 for row in (64, 32, 20)]
+    for engine in engines:
         cache = engine.runner.kv_cache
         assert cache.numel() * cache.element_size() <= 0.01 * 2**30
 
 
-def test_an_engine_serves_from_an_int8_cache_and_frees_every_block(tiny_model_dir):
+@pytest.mark.parametrize("kv", ["int8", "float16"])
+def test_an_engine_serves_from_a_narrower_cache_and_frees_every_block(tiny_model_dir, kv):
     """Shared prefixes (prefix hits), prompts longer than a step's token budget (chunked prefill) and a mixed batch."""
-    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype="int8",
-                                           max_num_batched_tokens=64))
+    engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype=kv, max_num_batched_tokens=64))
     prefix = TOKENS[:48]
     prompts = [prefix + TOKENS[100 + i:110 + i] for i in range(4)] + [TOKENS[:150], TOKENS[20:23]]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [len(o) for o in outputs] == [12] * 6
     assert engine.kv.stats.hit_tokens >= 3 * 48  # the prompts after the first found the prefix cached
     assert engine.kv.num_used_blocks == 0 and engine.kv.num_free_blocks == engine.kv.num_blocks
-    again = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype="int8", max_num_batched_tokens=64))
+    again = LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype=kv, max_num_batched_tokens=64))
     assert again.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True)) == outputs  # deterministic
 
 
-def test_int8_blocks_move_between_int8_engines_only(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype, dtype", [("int8", torch.int8), ("float16", torch.float16)])
+def test_blocks_move_between_engines_of_their_cache_dtype_only(tiny_model_dir, kv_cache_dtype, dtype):
     prompt = TOKENS[:57]  # 3 full blocks of 16 and a partial one
-    prefill, decode = (LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype="int8"))
+    prefill, decode = (LLMEngine(EngineConfig.create(model=str(tiny_model_dir), kv_cache_dtype=kv_cache_dtype))
                        for _ in range(2))
     prefill.generate([prompt], SamplingParams(max_tokens=1))
     kv = prefill.export_kv(prompt)
-    assert kv.data.dtype == torch.int8 and kv.num_tokens == 48
+    assert kv.data.dtype == dtype and kv.num_tokens == 48
     assert decode.import_kv(prompt, kv) == 48
     [out] = decode.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     assert decode.kv.stats.hit_tokens == 48
     assert out == prefill.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
 
     float_engine = LLMEngine(EngineConfig.create(model=str(tiny_model_dir)))
-    with pytest.raises(InvalidRequestError, match=r"kv: blocks of shape .* torch.int8 do not fit this pool"):
+    with pytest.raises(InvalidRequestError, match=rf"kv: blocks of shape .* {dtype} do not fit this pool"):
         float_engine.import_kv(prompt, kv)
 
 
@@ -137,7 +141,9 @@ def test_served_from_an_int8_cache(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.parametrize("settings, words", [
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: expected one of ['auto', 'int8'], got 'fp8'"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: expected one of ['auto', 'float16', 'int8'], got 'fp8'"),
+    ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "kv_cache_dtype: float16 stores a float32 model's K/V; a "
+                                                         "bfloat16 model's cache is bfloat16 (auto) or int8"),
     ({"kv_cache_dtype": "int8", "runtime": "onnxruntime", "engine_dir": "/nonexistent"},
      "kv_cache_dtype: int8 is served by runtime torch on the CPU, not onnxruntime on cpu"),
     ({"kv_cache_dtype": "int8", "device": "cuda"}, "kv_cache_dtype: int8 is served by runtime torch on the CPU, not "
