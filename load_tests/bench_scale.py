@@ -11,13 +11,14 @@ The limits, measured here in the same run:
 - DRAM read bandwidth: load_tests/read_bandwidth.c, 2 threads reading 1 GiB (past any last-level cache), built with
   this machine's gcc, before each system runs; the highest reading is the bound's (on a shared VM a neighbour's
   traffic takes a third of it in some minutes). A decode step's bound is the bytes it must read, every weight as the
-  system holds it plus its KV cache (ours float32, llama.cpp's float16) at the step's context, over that bandwidth;
+  system holds it plus its KV cache (ours float32 unless `--kv-cache-dtype` says otherwise, llama.cpp's float16) at
+  the step's context, over that bandwidth;
   each decode figure is printed as the bound's fraction of the step.
 - The int8 GEMM rate: our q8_0_w8a8 kernel on a 4096 x 4096 weight at 512 rows (2 M N K ops a call), the rate the
   prefill's Linears could run at; each prefill figure is printed as its Linears' ops a second over that rate.
 
     python -m load_tests.bench_scale [--shapes llama-3.2-1b,qwen3-4b] [--ftypes Q4_K_M,Q8_0] [--batches 1,4,16]
-        [--prompts 128,1024] [--steps 32] [--no-llamacpp] [--out results/scale.json]
+        [--prompts 128,1024] [--steps 32] [--kv-cache-dtype auto] [--no-llamacpp] [--out results/scale.json]
 
 bash load_tests/llama_cpp_env.sh first (llama.cpp, its converter and quantizer). `--shapes llama-3-8b`: Llama-3-8B's
 shape, written a module at a time (~2 GiB of memory), but its 16 GB of bfloat16 safetensors and the converter's 16 GB
@@ -107,26 +108,29 @@ def _tensors(obj, seen: dict[int, int]) -> None:
             _tensors(getattr(obj, f.name), seen)
 
 
-def engine_points(model_dir: Path, points: list[tuple[int, int]], steps: int, threads: int) -> list[Point]:
+def engine_points(model_dir: Path, points: list[tuple[int, int]], steps: int, threads: int,
+                  kv_cache_dtype: str) -> list[Point]:
     """Our engine (child process): each point's prefill and decode, as the module docstring says."""
     import numpy as np
     import torch
     from torch import nn
 
     from backend.engine import LLMEngine
+    from backend.engine.kv_quantization import row_bytes
     from backend.engine.models.config import load_model_config
     from backend.engine.sampling import SamplingParams
     from backend.serving.settings import engine_config_from_settings
 
     torch.set_num_threads(threads)
     cfg = load_model_config(model_dir)
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * row_bytes(cfg.head_dim, torch.float32, kv_cache_dtype)
     # the first prompts done decode while the last are prefilled (continuous batching; at worst one prompt's chunk a
     # step): tokens enough for that, then `steps` steps of all B, and the requests cancelled
     budget = {(b, p): 1 + steps + b * -(-p // 512) + 8 for b, p in [(1, 16), *points]}
     tokens = max(b * (p + budget[b, p]) for b, p in budget)
     engine = LLMEngine(engine_config_from_settings({"model": str(model_dir), "quantization": "gguf",
                                                     "kv_cache_memory_gb": str(1.2 * tokens * kv_per_token / 2**30),
+                                                    "kv_cache_dtype": kv_cache_dtype,
                                                     "max_model_len": str(max(p + n for (_, p), n in budget.items()))}))
     seen: dict[int, int] = {}
     linears = [m for m in engine.runner.model.modules() if isinstance(m, nn.Linear)]
@@ -259,6 +263,7 @@ def main() -> None:
     p.add_argument("--prompts", default="128,1024")
     p.add_argument("--steps", type=int, default=DECODE_STEPS)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", help="ours: auto (float32) | float16 (llama.cpp's) | int8")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--out", type=Path, default=Path("results/scale.json"))
     args = p.parse_args()
@@ -276,7 +281,8 @@ def main() -> None:
             for system in ("engine", *(() if args.no_llamacpp else ("llamacpp",))):
                 readings.append(read_bandwidth(args.threads))
                 print(f"[{gguf.name}] {system} (DRAM read just before: {readings[-1]:.1f} GB/s)", flush=True)
-                measured.append((system, gguf.name, _in_child(engine_points, folder, points, args.steps, args.threads)
+                measured.append((system, gguf.name, _in_child(engine_points, folder, points, args.steps, args.threads,
+                                                           args.kv_cache_dtype)
                                  if system == "engine" else llamacpp_points(gguf, points, args.steps, args.threads)))
     bandwidth = max(readings)
     print(f"DRAM read: {bandwidth:.1f} GB/s, the best of {len(readings)} readings ({min(readings):.1f} the lowest)")
@@ -292,7 +298,8 @@ def main() -> None:
     for r in results:
         print("  ".join(f"{str(r[h]):>12}" for h in header))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "read_gb_s": bandwidth,
+    args.out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "kv_cache_dtype": args.kv_cache_dtype,
+                                    "read_gb_s": bandwidth,
                                     "read_gb_s_readings": readings,
                                     "int8_ops_s": int8_rate, "steps": args.steps, "results": results}, indent=1))
     plot(results, args.out.with_suffix(".png"), f"{cpu}, {args.threads} threads; DRAM read {bandwidth:.0f} GB/s")
