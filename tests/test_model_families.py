@@ -136,9 +136,9 @@ def test_a_lora_adapter_on_each_family_equals_hf_and_peft(family_dir, tmp_path):
 
 def test_an_int8_kv_cache_stays_within_its_bounds_on_each_family(family_dir):
     """The int8 KV cache on each family's attention (q/k norms, windows, partial rotary, Gemma's scale): the logits
-    of a prompt longer than the windows within test_kv_cache_dtype's int8 bounds of the float32 cache's (measured at most
-    0.042 / 93 %). Mixtral's every layer routes, and a rounding that flips a router's top 2 changes which experts run:
-    0.15 / 80 % there (measured 0.118 / 83 %; Qwen3-MoE here, one routed layer: 0.016 / 99 %)."""
+    of a prompt longer than the windows within test_kv_cache_dtype's int8 bounds of the float32 cache's (measured at
+    most 0.042 / 93 %). Mixtral's every layer routes, and a rounding that flips a router's top 2 changes which experts
+    run: 0.15 / 80 % there (measured 0.118 / 83 %; Qwen3-MoE here, one routed layer: 0.016 / 99 %)."""
     tokens = [3 + i * 7 % (VOCAB - 3) for i in range(150)]
     runners = [TorchRunner(family_dir, "float32", 64, 16, gemm_backend="aten", quantization="none",
                            kv_cache_dtype=dtype) for dtype in ("auto", "int8")]

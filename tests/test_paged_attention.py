@@ -52,7 +52,7 @@ def test_kernel_equals_gather(dtype, tol, kv, heads):
 
 
 def test_long_decodes_read_in_segments_equal_gather():
-    check_kernel_equals_gather(torch.float32, 2e-5, False, (9, 3, 64), LONG_DECODES, 600)
+    check_kernel_equals_gather(torch.float32, 2e-5, None, (9, 3, 64), LONG_DECODES, 600)
 
 
 @pytest.mark.parametrize("dtype,tol,kv", [(torch.float32, 2e-5, None), (torch.bfloat16, 3e-2, None),
@@ -191,6 +191,8 @@ def test_write_rows_rounds_float32_rows_into_a_float16_cache_as_half_does():
     written = caches[0].view(-1, KVH, D)[slots]
     assert written.isinf().any() and ((written != 0) & (written.abs() < 6e-5)).any()
     assert caches[0].view(-1, KVH, D)[[1, 2, 3]].eq(0).all()  # nothing else written
+    with pytest.raises(RuntimeError, match="write_rows: k, v"):  # the two caches in one dtype
+        torch.ops.llm_kernels.write_rows(k, v, caches[0], caches[1].float(), slots)
 
 
 @pytest.mark.parametrize("dtype,kv", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8),

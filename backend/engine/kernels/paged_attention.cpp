@@ -743,7 +743,8 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k, a
     TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(0) == T &&
                 x.size(1) * x.size(2) == row && cache.is_contiguous() && cache.dim() == 4 &&
                 cache.size(2) * cache.size(3) == row && cache.sizes() == cache_k.sizes() &&
-                (cache.scalar_type() == x.scalar_type() || (half && x.scalar_type() == at::kFloat)),
+                cache.scalar_type() == cache_k.scalar_type() && x.scalar_type() == k.scalar_type() &&
+                (half || cache.scalar_type() == x.scalar_type()),
                 "write_rows: k, v [T, KVH, D], each row contiguous; caches [blocks, block_size, KVH, D] of their dtype "
                 "(or float16)");
   };
