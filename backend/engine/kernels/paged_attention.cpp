@@ -94,6 +94,36 @@ inline float row_scale(const cache_t* __restrict r, int64_t D) {
 // Scratch: scores H x max_ctx, offsets max_ctx, acc (2 D + 1) x H, qs H x D.
 constexpr int64_t kSegmentBytes = 256 * 1024;
 
+// The rows of keys j0..j1-1 of a cache (elements first..first + slice - 1 of each: a row's part of some KV heads) into
+// cache ahead of the compute: a block's rows are contiguous; kStreams blocks at a time, a line of each in turn (2
+// blocks: 1.2x less time than 1; 4 and 8: 1.3-1.8x). A byte of every line is read, for the read's side effect.
+template <typename cache_t>
+void stream(const cache_t* __restrict cache, const int64_t* __restrict offsets, int64_t j0, int64_t j1, int64_t BS,
+            int64_t row, int64_t first, int64_t slice) {
+  constexpr int kStreams = 8;
+  const int64_t bytes = slice * sizeof(cache_t), stride = row * sizeof(cache_t);
+  unsigned char t = 0;
+  for (int64_t j = j0; j < j1;) {
+    const unsigned char* __restrict p[kStreams];
+    int64_t rows[kStreams], most = 0;
+    for (int r = 0; r < kStreams; ++r) {
+      const int64_t run = j < j1 ? std::min(BS - (j % BS), j1 - j) : 0;
+      p[r] = reinterpret_cast<const unsigned char*>(cache + (run ? offsets[j] + first : 0));
+      rows[r] = run, most = std::max(most, run);
+      j += run;
+    }
+    for (int64_t i = 0; i < most; ++i) {
+      for (int64_t e = 0; e < bytes; e += 64)  // from an unaligned start, each line once; then the last byte's
+        for (int r = 0; r < kStreams; ++r)
+          if (i < rows[r]) t ^= p[r][i * stride + e];
+      for (int r = 0; r < kStreams; ++r)
+        if (i < rows[r]) t ^= p[r][i * stride + bytes - 1];
+    }
+  }
+  volatile unsigned char sink = t;  // keep the loads (portably: no asm)
+  (void)sink;
+}
+
 template <typename scalar_t, int V>
 void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
                   const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
@@ -104,27 +134,8 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
   for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
   // keys per segment: a multiple of 16 (whole sum16 groups, whole p.v pairs)
   const int64_t segment = std::max<int64_t>(16, kSegmentBytes / (row * sizeof(scalar_t)) / 16 * 16);
-  // the rows of keys j0..j1-1 (their KV heads kv0..kv1-1) into cache: a block's rows are contiguous; kStreams blocks
-  // at a time, a line of each in turn (2 blocks: 1.2x less time than 1; 4 and 8: 1.3-1.8x)
-  constexpr int kStreams = 8;
-  const auto stream = [&](const scalar_t* __restrict cache, int64_t j0, int64_t j1) {
-    constexpr int64_t kLine = 64 / sizeof(scalar_t);
-    vfloat t = {};
-    for (int64_t j = j0; j < j1;) {
-      const scalar_t* __restrict p[kStreams];
-      int64_t rows[kStreams], most = 0;
-      for (int r = 0; r < kStreams; ++r) {
-        const int64_t run = j < j1 ? std::min(BS - (j % BS), j1 - j) : 0;
-        p[r] = cache + (run ? offsets[j] + kv0 * D : 0), rows[r] = run, most = std::max(most, run);
-        j += run;
-      }
-      for (int64_t i = 0; i < most; ++i)
-        for (int64_t e = 0; e < slice; e += kLine)
-          for (int r = 0; r < kStreams; ++r)
-            if (i < rows[r]) t += load(p[r] + i * row + e);
-    }
-    volatile float sink = sum(t);  // the loads are for their side effect: keep them (portably: no asm)
-    (void)sink;
+  const auto read_ahead = [&](const scalar_t* cache, int64_t j0, int64_t j1) {
+    stream(cache, offsets, j0, j1, BS, row, kv0 * D, slice);
   };
 
   // the heads' queries times the scale, once (scratch: qs, H x D)
@@ -132,7 +143,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
     for (int v = 0; v < V; ++v) store(qs + h * D + v * kLanes, load(q + h * D + v * kLanes) * shape.scale);
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
-    stream(k_cache, s0, s1);
+    read_ahead(k_cache, s0, s1);
     for (int64_t j0 = s0; j0 < s1; j0 += 16) {  // 16 keys at a time, every head in turn: the G heads of a KV head
       const int64_t m = std::min<int64_t>(16, s1 - j0);  // read its rows from L1, not each from L2
       for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
@@ -165,7 +176,7 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
     inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo, shape.sink(h));
   for (int64_t s0 = lo; s0 < n; s0 += segment) {
     const int64_t s1 = std::min(s0 + segment, n);
-    stream(v_cache, s0, s1);
+    read_ahead(v_cache, s0, s1);
     for (int64_t j0 = s0; j0 < s1; j0 += 16) {  // as the keys: 16 values at a time, every head in turn
       const int64_t j1 = std::min<int64_t>(j0 + 16, s1);
       for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
@@ -198,8 +209,11 @@ void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cac
 // `rows` (16 x D floats, in L1), which each head of the group then reads as attend_token reads a float cache. Widened
 // once a group instead of once a head, a bfloat16 decode step's attention took 2.0x less time (Intel Xeon, SmolLM2's
 // G = 3, 40 sequences of ~200 tokens). With AVX512-BF16 a bfloat16 cache's keys are not widened at all (kPairDots):
-// 1.2x less time again (50 sequences of 133 tokens, old and new builds alternating). Scratch: scores G x max_ctx,
-// offsets max_ctx, rows 16 x D, acc G x D.
+// 1.2x less time again (50 sequences of 133 tokens, old and new builds alternating). The rows come from memory as
+// attend_token's do, a segment at a time by `stream`, every KV head of a chunk of 16 keys in turn: reading a KV head's
+// keys down the blocks (a row apart, 2 KB at Qwen3-4B's float16 heads) with prefetches two chunks ahead, the 4B's
+// attention at batch 1 ran at 3.6-6x its bytes' time from DRAM (AMD EPYC Zen 4; 140 and 1,040 tokens). Scratch: scores
+// H x max_ctx, offsets max_ctx, rows 16 x D, acc H x D.
 template <typename scalar_t, typename cache_t, int V>
 void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restrict k_cache,
                           const cache_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
@@ -216,14 +230,12 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
 #else
   constexpr bool kPairDots = false;
 #endif
-  const int64_t BS = shape.block_size, row = KVH * W;
+  const int64_t BS = shape.block_size, row = KVH * W, slice = (kv1 - kv0) * W;
   for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
+  // keys per segment: a multiple of 16 from lo, so the chunks of 16 (and their sums) are those of one pass
+  const int64_t segment = std::max<int64_t>(16, kSegmentBytes / (slice * sizeof(cache_t)) / 16 * 16);
   const auto widen = [&](const cache_t* __restrict head, int64_t j0, int64_t m) {  // keys j0.. of one KV head
     for (int64_t i = 0; i < m; ++i) {
-      if (j0 + 32 + i < n) {  // two chunks ahead, the row's first and last cache lines: 1.2x on the Xeon at 16 x 1024
-        __builtin_prefetch(head + offsets[j0 + 32 + i]);
-        __builtin_prefetch(head + offsets[j0 + 32 + i] + W - 1);
-      }
       const cache_t* __restrict r = head + offsets[j0 + i];
       const float scale = row_scale(r, D);
       for (int v = 0; v < V; ++v)
@@ -231,80 +243,84 @@ void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restric
     }
   };
 
-  for (int64_t kh = kv0; kh < kv1; ++kh) {
-    for (int64_t j0 = lo; j0 < n; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - j0);
-      if constexpr (kPairDots) {  // the keys stay bfloat16; prefetched as widen() would
-        for (int64_t i = 0; i < m && j0 + 32 + i < n; ++i) {
-          __builtin_prefetch(k_cache + kh * W + offsets[j0 + 32 + i]);
-          __builtin_prefetch(k_cache + kh * W + offsets[j0 + 32 + i] + W - 1);
-        }
-      } else {
-        widen(k_cache + kh * W, j0, m);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* __restrict qh = q + (kh * G + g) * D;
+  for (int64_t s0 = lo; s0 < n; s0 += segment) {
+    const int64_t s1 = std::min(s0 + segment, n);
+    stream(k_cache, offsets, s0, s1, BS, row, kv0 * W, slice);
+    for (int64_t j0 = s0; j0 < s1; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, s1 - j0);
+      for (int64_t kh = kv0; kh < kv1; ++kh) {
+        if constexpr (!kPairDots) widen(k_cache + kh * W, j0, m);  // kPairDots: the keys stay bfloat16
+        for (int64_t g = 0; g < G; ++g) {
+          const scalar_t* __restrict qh = q + (kh * G + g) * D;
 #if defined(__AVX512BF16__)
-        __m512bh qb[V / 2];  // kPairDots: the head's query as it is, 32 bfloat16 a vector; scaled after the sums
-        if constexpr (kPairDots)
-          for (int v = 0; v < V / 2; ++v) qb[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + v * 2 * kLanes));
+          __m512bh qb[V / 2];  // kPairDots: the head's query as it is, 32 bfloat16 a vector; scaled after the sums
+          if constexpr (kPairDots)
+            for (int v = 0; v < V / 2; ++v) qb[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + v * 2 * kLanes));
 #endif
-        vfloat qv[V];
-        if constexpr (!kPairDots)
-          for (int v = 0; v < V; ++v) qv[v] = load(qh + v * kLanes) * shape.scale;
-        const auto dot = [&](int64_t i) {
+          vfloat qv[V];
+          if constexpr (!kPairDots)
+            for (int v = 0; v < V; ++v) qv[v] = load(qh + v * kLanes) * shape.scale;
+          const auto dot = [&](int64_t i) {
 #if defined(__AVX512BF16__)
-          if constexpr (kPairDots) {
-            const cache_t* __restrict key = k_cache + kh * W + offsets[j0 + i];
-            __m512 d = _mm512_setzero_ps();
-            for (int v = 0; v < V / 2; ++v)
-              d = _mm512_dpbf16_ps(d, qb[v], reinterpret_cast<__m512bh>(_mm512_loadu_si512(key + v * 2 * kLanes)));
-            return reinterpret_cast<vfloat>(d);
-          }
+            if constexpr (kPairDots) {
+              const cache_t* __restrict key = k_cache + kh * W + offsets[j0 + i];
+              __m512 d = _mm512_setzero_ps();
+              for (int v = 0; v < V / 2; ++v)
+                d = _mm512_dpbf16_ps(d, qb[v], reinterpret_cast<__m512bh>(_mm512_loadu_si512(key + v * 2 * kLanes)));
+              return reinterpret_cast<vfloat>(d);
+            }
 #endif
-          vfloat d = qv[0] * load(rows + i * D);
-          for (int v = 1; v < V; ++v) d += qv[v] * load(rows + i * D + v * kLanes);
-          return d;
-        };
-        const float after = kPairDots ? shape.scale : 1.f;
-        float* __restrict s = scores + g * shape.max_ctx + j0;
+            vfloat d = qv[0] * load(rows + i * D);
+            for (int v = 1; v < V; ++v) d += qv[v] * load(rows + i * D + v * kLanes);
+            return d;
+          };
+          const float after = kPairDots ? shape.scale : 1.f;
+          float* __restrict s = scores + (kh * G + g) * shape.max_ctx + j0;
 #if defined(__AVX512F__)
-        if (m == 16) {
-          vfloat d[16];
-          for (int k = 0; k < 16; ++k) d[k] = dot(kTreeOrder[k]);
-          store(s, sum16(d) * after);
-          continue;
-        }
-#endif
-        for (int64_t i = 0; i < m; ++i) s[i] = sum(dot(i)) * after;
-      }
-    }
-    std::fill(acc, acc + G * D, 0.f);
-    for (int64_t g = 0; g < G; ++g) {
-      const float inv = 1.f / softmax(scores + g * shape.max_ctx + lo, n - lo, shape.sink(kh * G + g));
-      for (int64_t j = lo; j < n; ++j) scores[g * shape.max_ctx + j] *= inv;
-    }
-    for (int64_t j0 = lo; j0 < n; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - j0);
-      widen(v_cache + kh * W, j0, m);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* __restrict p = scores + g * shape.max_ctx + j0;
-        vfloat a[V], a1[V] = {};  // two chains of FMAs: values i and i + 1
-        for (int v = 0; v < V; ++v) a[v] = load(acc + g * D + v * kLanes);
-        int64_t i = 0;
-        for (; i + 1 < m; i += 2)
-          for (int v = 0; v < V; ++v) {
-            a[v] += p[i] * load(rows + i * D + v * kLanes);
-            a1[v] += p[i + 1] * load(rows + (i + 1) * D + v * kLanes);
+          if (m == 16) {
+            vfloat d[16];
+            for (int k = 0; k < 16; ++k) d[k] = dot(kTreeOrder[k]);
+            store(s, sum16(d) * after);
+            continue;
           }
-        if (i < m)
-          for (int v = 0; v < V; ++v) a[v] += p[i] * load(rows + i * D + v * kLanes);
-        for (int v = 0; v < V; ++v) store(acc + g * D + v * kLanes, a[v] + a1[v]);
+#endif
+          for (int64_t i = 0; i < m; ++i) s[i] = sum(dot(i)) * after;
+        }
       }
     }
-    for (int64_t g = 0; g < G; ++g)
-      for (int v = 0; v < V; ++v) store(out + (kh * G + g) * D + v * kLanes, load(acc + g * D + v * kLanes));
   }
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
+    float* __restrict p = scores + h * shape.max_ctx;
+    const float inv = 1.f / softmax(p + lo, n - lo, shape.sink(h));
+    for (int64_t j = lo; j < n; ++j) p[j] *= inv;
+  }
+  std::fill(acc + kv0 * G * D, acc + kv1 * G * D, 0.f);
+  for (int64_t s0 = lo; s0 < n; s0 += segment) {
+    const int64_t s1 = std::min(s0 + segment, n);
+    stream(v_cache, offsets, s0, s1, BS, row, kv0 * W, slice);
+    for (int64_t j0 = s0; j0 < s1; j0 += 16) {
+      const int64_t m = std::min<int64_t>(16, s1 - j0);
+      for (int64_t kh = kv0; kh < kv1; ++kh) {
+        widen(v_cache + kh * W, j0, m);
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          const float* __restrict p = scores + h * shape.max_ctx + j0;
+          vfloat a[V], a1[V] = {};  // two chains of FMAs: values i and i + 1
+          for (int v = 0; v < V; ++v) a[v] = load(acc + h * D + v * kLanes);
+          int64_t i = 0;
+          for (; i + 1 < m; i += 2)
+            for (int v = 0; v < V; ++v) {
+              a[v] += p[i] * load(rows + i * D + v * kLanes);
+              a1[v] += p[i + 1] * load(rows + (i + 1) * D + v * kLanes);
+            }
+          if (i < m)
+            for (int v = 0; v < V; ++v) a[v] += p[i] * load(rows + i * D + v * kLanes);
+          for (int v = 0; v < V; ++v) store(acc + h * D + v * kLanes, a[v] + a1[v]);
+        }
+      }
+    }
+  }
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
+    for (int v = 0; v < V; ++v) store(out + h * D + v * kLanes, load(acc + h * D + v * kLanes));
 }
 
 // Prefill chunks: a tile of a sequence's consecutive query tokens times the G query heads of one KV head, R rows of
@@ -621,12 +637,12 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
       });
     // The decodes in shares, one that is done taking another's last (work_queue.h)
     llm_kernels::parallel_take(singles.size(), [&](llm_kernels::WorkQueue& queue, int64_t thread) {
-      // attend_token_grouped keeps a group's G heads' scores and accumulators, and 16 widened rows
+      // attend_token_grouped keeps every head's scores and accumulators, and 16 widened rows
       // attend_token keeps every head's scores, two p.v chains and 1 / its sum, and its scaled query (in `rows`)
       constexpr bool kFloat = std::is_same_v<cache_t, float>;
-      const int64_t H = shape.num_heads, G = H / shape.num_kv_heads, D = shape.head_dim;
-      std::vector<float> scores((kFloat ? H : G) * shape.max_ctx), rows(kFloat ? H * D : 16 * D),
-          acc(kFloat ? (2 * D + 1) * H : G * D);
+      const int64_t H = shape.num_heads, D = shape.head_dim;
+      std::vector<float> scores(H * shape.max_ctx), rows(kFloat ? H * D : 16 * D),
+          acc(kFloat ? (2 * D + 1) * H : H * D);
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t i; (i = queue.take(thread)) >= 0;) {
         const auto [s, t, kv0, kv1] = singles[i];
