@@ -17,8 +17,13 @@ The limits, measured here in the same run:
 - The int8 GEMM rate: our q8_0_w8a8 kernel on a 4096 x 4096 weight at 512 rows (2 M N K ops a call), the rate the
   prefill's Linears could run at; each prefill figure is printed as its Linears' ops a second over that rate.
 
+Rounds (`--rounds N`): on a shared 2-core VM the same run drifts by a quarter within minutes, so each file is measured
+N times, the systems alternating and their order flipped each round; a row is each figure's median over the rounds,
+and its ratio to ours the median of the ratios taken within a round (each round's kept in the JSON).
+
     python -m load_tests.bench_scale [--shapes llama-3.2-1b,qwen3-4b] [--ftypes Q4_K_M,Q8_0] [--batches 1,4,16]
-        [--prompts 128,1024] [--steps 32] [--kv-cache-dtype auto] [--no-llamacpp] [--out results/scale.json]
+        [--prompts 128,1024] [--steps 32] [--kv-cache-dtype auto] [--rounds 1] [--no-llamacpp]
+        [--out results/scale.json]
 
 bash load_tests/llama_cpp_env.sh first (llama.cpp, its converter and quantizer). `--shapes llama-3-8b`: Llama-3-8B's
 shape, written a module at a time (~2 GiB of memory), but its 16 GB of bfloat16 safetensors and the converter's 16 GB
@@ -222,6 +227,32 @@ def rows(system: str, file: str, points: list[Point], bandwidth: float, int8_rat
     return out
 
 
+def _point(r: dict) -> tuple:
+    return r["file"], r["batch"], r["prompt_len"]
+
+
+def combine(per_round: list[dict]) -> list[dict]:
+    """One row a (system, file, batch, prompt) from rows of every round (each with its "round"): each figure's median
+    over the rounds, and ours / theirs the median of the ratios within a round (both systems ran side by side)."""
+    ours = {(r["round"], *_point(r)): r for r in per_round if r["system"] == "engine"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in per_round:
+        o = ours[(r["round"], *_point(r))]
+        groups.setdefault((r["system"], *_point(r)), []).append(
+            {**r, "engine_x_decode": r["decode_step_ms"] / o["decode_step_ms"],  # ours / theirs, tok/s
+             "engine_x_prefill": o["prefill_tok_s"] / r["prefill_tok_s"]})
+    out = []
+    for rs in groups.values():
+        row = {k: rs[0][k] for k in ("system", "file", "batch", "prompt_len", "step_mb", "bound_ms")}
+        for k, digits in (("prefill_tok_s", 1), ("prefill_of_int8_rate", 3), ("decode_step_ms", 2),
+                          ("decode_tok_s", 1), ("of_bound", 3), ("engine_x_decode", 2), ("engine_x_prefill", 2)):
+            row[k] = round(statistics.median(r[k] for r in rs), digits)
+        row["decode_step_ms_rounds"] = [r["decode_step_ms"] for r in rs]
+        row["engine_x_decode_rounds"] = [round(r["engine_x_decode"], 2) for r in rs]
+        out.append(row)
+    return out
+
+
 def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -264,6 +295,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=DECODE_STEPS)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-dtype", default="auto", help="ours: auto (float32) | float16 (llama.cpp's) | int8")
+    p.add_argument("--rounds", type=int, default=1, help="each file's systems this many times, alternating")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--out", type=Path, default=Path("results/scale.json"))
     args = p.parse_args()
@@ -273,25 +305,25 @@ def main() -> None:
     print(f"CPU: {cpu}, {args.threads} threads", flush=True)
     int8_rate = _in_child(int8_gemm_rate, args.threads)
     print(f"int8 GEMM (q8_0_w8a8, {'x'.join(map(str, GEMM_SHAPE))}): {int8_rate / 1e12:.2f} Tops/s", flush=True)
-    measured, readings = [], []  # (system, file, points), and the bandwidth before each
+    measured, readings = [], []  # (round, system, file, points), and the bandwidth before each
+    systems = ("engine", *(() if args.no_llamacpp else ("llamacpp",)))
     for shape in args.shapes.split(","):
         for ftype in args.ftypes.split(","):
             folder = random_gguf(shape, ftype)
             gguf = next(folder.glob("*.gguf"))
-            for system in ("engine", *(() if args.no_llamacpp else ("llamacpp",))):
-                readings.append(read_bandwidth(args.threads))
-                print(f"[{gguf.name}] {system} (DRAM read just before: {readings[-1]:.1f} GB/s)", flush=True)
-                measured.append((system, gguf.name, _in_child(engine_points, folder, points, args.steps, args.threads,
-                                                           args.kv_cache_dtype)
-                                 if system == "engine" else llamacpp_points(gguf, points, args.steps, args.threads)))
+            for rnd in range(args.rounds):
+                for system in systems if rnd % 2 == 0 else systems[::-1]:
+                    readings.append(read_bandwidth(args.threads))
+                    print(f"[{gguf.name}] round {rnd + 1}/{args.rounds}: {system} "
+                          f"(DRAM read just before: {readings[-1]:.1f} GB/s)", flush=True)
+                    measured.append((rnd, system, gguf.name,
+                                     _in_child(engine_points, folder, points, args.steps, args.threads,
+                                               args.kv_cache_dtype)
+                                     if system == "engine" else llamacpp_points(gguf, points, args.steps, args.threads)))
     bandwidth = max(readings)
     print(f"DRAM read: {bandwidth:.1f} GB/s, the best of {len(readings)} readings ({min(readings):.1f} the lowest)")
-    results = [r for system, file, pts in measured for r in rows(system, file, pts, bandwidth, int8_rate)]
-    ours = {(r["file"], r["batch"], r["prompt_len"]): r for r in results if r["system"] == "engine"}
-    for r in results:
-        o = ours[(r["file"], r["batch"], r["prompt_len"])]
-        r["engine_x_decode"] = round(r["decode_step_ms"] / o["decode_step_ms"], 2)  # ours / theirs, tok/s
-        r["engine_x_prefill"] = round(o["prefill_tok_s"] / r["prefill_tok_s"], 2)
+    results = combine([{**r, "round": rnd} for rnd, system, file, pts in measured
+                       for r in rows(system, file, pts, bandwidth, int8_rate)])
     header = ("system", "file", "batch", "prompt_len", "prefill_tok_s", "prefill_of_int8_rate", "decode_step_ms",
               "decode_tok_s", "step_mb", "bound_ms", "of_bound", "engine_x_decode", "engine_x_prefill")
     print("  ".join(f"{h:>12}" for h in header))
@@ -299,6 +331,7 @@ def main() -> None:
         print("  ".join(f"{str(r[h]):>12}" for h in header))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"cpu": cpu, "threads": args.threads, "kv_cache_dtype": args.kv_cache_dtype,
+                                    "rounds": args.rounds,
                                     "read_gb_s": bandwidth,
                                     "read_gb_s_readings": readings,
                                     "int8_ops_s": int8_rate, "steps": args.steps, "results": results}, indent=1))

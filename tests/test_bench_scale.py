@@ -29,3 +29,22 @@ def test_the_engine_side_times_decode_steps_of_the_whole_batch(tmp_path: Path):
     [half] = bench_scale.engine_points(folder, [(3, 40)], steps=4, threads=2, kv_cache_dtype="float16")
     cfg = load_model_config(folder)
     assert point.step_bytes - half.step_bytes == 3 * 42 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def test_rounds_combine_to_medians_and_ratios_taken_within_a_round():
+    def row(rnd: int, system: str, step_ms: float, prefill: float) -> dict:
+        return {"round": rnd, "system": system, "file": "m.gguf", "batch": 1, "prompt_len": 128, "step_mb": 100.0,
+                "bound_ms": 2.0, "prefill_tok_s": prefill, "prefill_of_int8_rate": 0.5, "decode_step_ms": step_ms,
+                "decode_tok_s": 1000 / step_ms, "of_bound": 2.0 / step_ms}
+
+    # the machine slows by half in round 1: both systems' steps take longer, their ratio holds
+    per_round = [row(0, "engine", 10.0, 200.0), row(0, "llamacpp", 12.0, 100.0),
+                 row(1, "llamacpp", 24.0, 50.0), row(1, "engine", 20.0, 100.0),
+                 row(2, "engine", 11.0, 200.0), row(2, "llamacpp", 11.0, 100.0)]
+    rows = {r["system"]: r for r in bench_scale.combine(per_round)}
+    assert set(rows) == {"engine", "llamacpp"}
+    theirs, ours = rows["llamacpp"], rows["engine"]
+    assert theirs["decode_step_ms_rounds"] == [12.0, 24.0, 11.0] and theirs["decode_step_ms"] == 12.0
+    assert theirs["engine_x_decode_rounds"] == [1.2, 1.2, 1.0] and theirs["engine_x_decode"] == 1.2
+    assert theirs["engine_x_prefill"] == 2.0 and ours["engine_x_decode"] == 1.0
+    assert ours["decode_step_ms"] == 11.0 and ours["of_bound"] == round(2.0 / 11.0, 3)
