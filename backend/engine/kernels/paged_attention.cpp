@@ -3,7 +3,7 @@
 // read are those of the real context, which the gather path (models/llama.py) pays for the longest
 // sequence of the batch. Math in float32 whatever the storage dtype (the AMX path's probabilities rounded to bfloat16
 // for p.v); softmax exact (two passes). A decode token reads
-// a float32 cache by attend_token, a narrow one (bfloat16, float16, int8: kv_quantization.py) by attend_token_grouped;
+// any cache (float32, bfloat16, float16, int8: kv_quantization.py) by attend_token;
 // a prefill chunk's tokens go in tiles (attend_tile), any cache; with a bfloat16 query and cache on a CPU with AMX,
 // in AMX tiles (attend_rows_amx).
 //
@@ -78,20 +78,6 @@ inline float row_scale(const cache_t* __restrict r, int64_t D) {
   return scale;
 }
 
-// One query token against keys 0..n-1 of its sequence (its KV heads kv0..kv1-1), 16 keys at a time, head by head: the
-// head's query and its output accumulator in registers (V vectors of kLanes floats: head_dim = V * kLanes). q.k costs
-// V loads and V FMAs per (head, key) and, with AVX-512, a shared horizontal add per 16 keys (sum16); p.v V loads and V
-// FMAs in two chains. The G heads of a KV head read a chunk's rows from L1 (head by head over a whole segment, each
-// re-read its rows from L2: a third of the time at 1,024 keys, Zen 5). Key j's row (every KV head of one position)
-// starts at element offsets[j] of the cache: the block table is read once per token.
-// The rows come from memory first, kSegmentBytes of keys (then of values) at a time: `stream` reads every cache line of
-// the segment's rows once, kStreams blocks side by side, and the heads then compute over the segment from L2. Reading
-// while computing (the kernel before this, each group's first head fetching its rows as it used them) drew 14-15 GB/s
-// from a DRAM that a plain read takes at 30, and a block read alone at a time left it near that: with 8 blocks side by
-// side the kernel took 1.3-1.8x less time (AMD EPYC Zen 4, SmolLM2's heads, 4-64 sequences of 100-4,000 keys in
-// random blocks of 16). The segments keep the sums' order (16 keys a horizontal add, two p.v chains over even and odd
-// keys, kept in scratch between segments), so the output is the one-pass kernel's bit for bit.
-// Scratch: scores H x max_ctx, offsets max_ctx, acc (2 D + 1) x H, qs H x D.
 constexpr int64_t kSegmentBytes = 256 * 1024;
 
 // The rows of keys j0..j1-1 of a cache (elements first..first + slice - 1 of each: a row's part of some KV heads) into
@@ -124,201 +110,127 @@ void stream(const cache_t* __restrict cache, const int64_t* __restrict offsets, 
   (void)sink;
 }
 
-template <typename scalar_t, int V>
-void attend_token(const scalar_t* __restrict q, const scalar_t* __restrict k_cache,
-                  const scalar_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                  int64_t lo, int64_t n, const Shape& shape, int64_t kv0, int64_t kv1, float* __restrict scores,
-                  int64_t* __restrict offsets, float* __restrict acc, float* __restrict qs) {
-  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes;
-  const int64_t BS = shape.block_size, row = KVH * D, slice = (kv1 - kv0) * D;  // a row's part of KV heads kv0..kv1-1
-  for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
-  // keys per segment: a multiple of 16 (whole sum16 groups, whole p.v pairs)
-  const int64_t segment = std::max<int64_t>(16, kSegmentBytes / (row * sizeof(scalar_t)) / 16 * 16);
-  const auto read_ahead = [&](const scalar_t* cache, int64_t j0, int64_t j1) {
-    stream(cache, offsets, j0, j1, BS, row, kv0 * D, slice);
-  };
-
-  // the heads' queries times the scale, once (scratch: qs, H x D)
-  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
-    for (int v = 0; v < V; ++v) store(qs + h * D + v * kLanes, load(q + h * D + v * kLanes) * shape.scale);
-  for (int64_t s0 = lo; s0 < n; s0 += segment) {
-    const int64_t s1 = std::min(s0 + segment, n);
-    read_ahead(k_cache, s0, s1);
-    for (int64_t j0 = s0; j0 < s1; j0 += 16) {  // 16 keys at a time, every head in turn: the G heads of a KV head
-      const int64_t m = std::min<int64_t>(16, s1 - j0);  // read its rows from L1, not each from L2
-      for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
-        const scalar_t* __restrict keys = k_cache + (h / G) * D;  // the head's KV head within a row
-        vfloat qv[V];
-        for (int v = 0; v < V; ++v) qv[v] = load(qs + h * D + v * kLanes);
-        const auto dot = [&](int64_t j) {
-          const scalar_t* __restrict key = keys + offsets[j];
-          vfloat d = qv[0] * load(key);
-          for (int v = 1; v < V; ++v) d += qv[v] * load(key + v * kLanes);
-          return d;
-        };
-        float* __restrict sh = scores + h * shape.max_ctx;
+// One query token against keys lo..n-1 of its sequence (its KV heads kv0..kv1-1), any cache (float32, bfloat16,
+// float16, int8: kv_quantization.py, a row of head_dim int8s and their float32 scale, head_dim + 4 bytes). The G query
+// heads of a KV head share its rows in registers: q.k takes up to kHeads of them against kKeysAtOnce keys at a time
+// (each key's vector loaded and widened once for them all, the accumulators' sums by one `sums`), p.v up to kHeads
+// heads x kColumns vectors of their outputs against one value at a time. The kernels before this one read a key's
+// vectors once per head from L1 (a narrow cache's widened first into scratch) and added each key's lanes apart: at the
+// Qwen3-4B's heads (G 4, head_dim 128, float16 cache) 8 sequences of 1,040 keys took 1.22-1.38x this one's time, one
+// 1.17x, 16 of 300 1.22x; other heads (G 3 and 7, head_dim 64 and 256) 1.14-1.35x; int8 1.15x, float32 1.06-1.21x,
+// bfloat16 the same as its AVX512-BF16 pair dots; the AVX2 build 1.03-1.08x (AMD EPYC Zen 4, 36 layers' caches cold,
+// old and new builds alternating in one process).
+// Key j's row (every KV head of one position) starts at element offsets[j] of the cache: the block table is read once
+// per token. The rows come from memory first, kSegmentBytes of keys (then of values) at a time, by `stream`, and the
+// heads then compute over the segment from L2: reading while computing (each group's first head fetching its rows as it
+// used them) drew 14-15 GB/s from a DRAM that a plain read takes at 30 (with 8 blocks side by side the kernel took
+// 1.3-1.8x less time: AMD EPYC Zen 4, SmolLM2's heads, 4-64 sequences of 100-4,000 keys in random blocks of 16), and
+// prefetch hints for the next segment while computing this one took 1.5x the time of the pre-read (Zen 4).
+// Sums: q.k a chain of FMAs over a key's vectors, then the lanes by `sums` (a partial block's by `sum`); p.v a chain
+// per head and vector over the keys in order. A head's bits do not depend on the heads that share its pass.
+// Scratch: scores H x max_ctx, offsets max_ctx, qs H x D (the scaled queries), acc H x D.
 #if defined(__AVX512F__)
-        if (m == 16) {
-          vfloat d[16];
-          for (int k = 0; k < 16; ++k) d[k] = dot(j0 + kTreeOrder[k]);
-          store(sh + j0, sum16(d));
-          continue;
-        }
+constexpr int kHeads = 4, kKeysAtOnce = 4, kColumns = 4;  // q.k's and p.v's 16 accumulators of 32 vector registers
+#else
+constexpr int kHeads = 4, kKeysAtOnce = 2, kColumns = 2;  // 8 of 16
 #endif
-        for (int64_t j = j0; j < j0 + m; ++j) sh[j] = sum(dot(j));
-      }
+template <int N, typename F>
+void in_passes(int64_t count, F&& f) {  // f(std::integral_constant<int, k>{}, first) over 0..count-1 in runs of <= N
+  for (int64_t first = 0; first < count; first += N) {
+    const int64_t k = std::min<int64_t>(N, count - first);
+    if (k == N) {
+      f(std::integral_constant<int, N>{}, first);
+    } else if constexpr (N > 1) {
+      in_passes<N - 1>(k, [&](auto run, int64_t at) { f(run, first + at); });
     }
   }
-
-  float *__restrict acc1 = acc + H * D, *__restrict inv = acc + 2 * H * D;  // two chains of FMAs: keys j and j + 1
-  std::fill(acc, acc + 2 * H * D, 0.f);
-  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
-    inv[h] = 1.f / softmax(scores + h * shape.max_ctx + lo, n - lo, shape.sink(h));
-  for (int64_t s0 = lo; s0 < n; s0 += segment) {
-    const int64_t s1 = std::min(s0 + segment, n);
-    read_ahead(v_cache, s0, s1);
-    for (int64_t j0 = s0; j0 < s1; j0 += 16) {  // as the keys: 16 values at a time, every head in turn
-      const int64_t j1 = std::min<int64_t>(j0 + 16, s1);
-      for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
-        const scalar_t* __restrict values = v_cache + (h / G) * D;
-        const float* __restrict p = scores + h * shape.max_ctx;
-        vfloat a[V], a1[V];
-        for (int v = 0; v < V; ++v) a[v] = load(acc + h * D + v * kLanes), a1[v] = load(acc1 + h * D + v * kLanes);
-        int64_t j = j0;
-        for (; j + 1 < j1; j += 2) {
-          const scalar_t *__restrict v0 = values + offsets[j], *__restrict v1 = values + offsets[j + 1];
-          for (int v = 0; v < V; ++v) {
-            a[v] += p[j] * load(v0 + v * kLanes);
-            a1[v] += p[j + 1] * load(v1 + v * kLanes);
-          }
-        }
-        if (j < j1)  // the last key of an odd n
-          for (int v = 0; v < V; ++v) a[v] += p[j] * load(values + offsets[j] + v * kLanes);
-        for (int v = 0; v < V; ++v) store(acc + h * D + v * kLanes, a[v]), store(acc1 + h * D + v * kLanes, a1[v]);
-      }
-    }
-  }
-  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
-    for (int v = 0; v < V; ++v)
-      store(out + h * D + v * kLanes, (load(acc + h * D + v * kLanes) + load(acc1 + h * D + v * kLanes)) * inv[h]);
 }
 
-// A narrow cache (bfloat16, float16, or int8: kv_quantization.py, a row of head_dim int8s and their float32 scale,
-// head_dim + 4 bytes). Turning narrow lanes into floats costs more than the FMAs that use them, so the G heads of a KV
-// head share it: 16 keys (then 16 values) of the KV head at a time are widened (int8: times the row's scale) into
-// `rows` (16 x D floats, in L1), which each head of the group then reads as attend_token reads a float cache. Widened
-// once a group instead of once a head, a bfloat16 decode step's attention took 2.0x less time (Intel Xeon, SmolLM2's
-// G = 3, 40 sequences of ~200 tokens). With AVX512-BF16 a bfloat16 cache's keys are not widened at all (kPairDots):
-// 1.2x less time again (50 sequences of 133 tokens, old and new builds alternating). The rows come from memory as
-// attend_token's do, a segment at a time by `stream`, every KV head of a chunk of 16 keys in turn: reading a KV head's
-// keys down the blocks (a row apart, 2 KB at Qwen3-4B's float16 heads) with prefetches two chunks ahead, the 4B's
-// attention at batch 1 ran at 3.6-6x its bytes' time from DRAM (AMD EPYC Zen 4; 140 and 1,040 tokens). Scratch: scores
-// H x max_ctx, offsets max_ctx, rows 16 x D, acc H x D.
 template <typename scalar_t, typename cache_t, int V>
-void attend_token_grouped(const scalar_t* __restrict q, const cache_t* __restrict k_cache,
-                          const cache_t* __restrict v_cache, scalar_t* __restrict out, const int64_t* __restrict table,
-                          int64_t lo, int64_t n, const Shape& shape, int64_t kv0, int64_t kv1,
-                          float* __restrict scores, int64_t* __restrict offsets, float* __restrict rows,
-                          float* __restrict acc) {
+void attend_token(const scalar_t* __restrict q, const cache_t* __restrict k_cache, const cache_t* __restrict v_cache,
+                  scalar_t* __restrict out, const int64_t* __restrict table, int64_t lo, int64_t n, const Shape& shape,
+                  int64_t kv0, int64_t kv1, float* __restrict scores, int64_t* __restrict offsets,
+                  float* __restrict qs, float* __restrict acc) {
   constexpr bool kInt8 = std::is_same_v<cache_t, int8_t>;
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, G = H / KVH, D = V * kLanes, W = D + (kInt8 ? 4 : 0);
-#if defined(__AVX512BF16__)
-  // bfloat16 query and keys on a CPU with AVX512-BF16: q.k by its pair dot products (vdpbf16ps: two bfloat16 products
-  // added to a float32 lane, with denormals flushed), which need no widening
-  constexpr bool kPairDots =
-      std::is_same_v<cache_t, c10::BFloat16> && std::is_same_v<scalar_t, c10::BFloat16> && V % 2 == 0;
-#else
-  constexpr bool kPairDots = false;
-#endif
-  const int64_t BS = shape.block_size, row = KVH * W, slice = (kv1 - kv0) * W;
+  const int64_t BS = shape.block_size, row = KVH * W, slice = (kv1 - kv0) * W, ctx = shape.max_ctx;
   for (int64_t j = lo; j < n; ++j) offsets[j] = (table[j / BS] * BS + j % BS) * row;
   // keys per segment: a multiple of 16 from lo, so the chunks of 16 (and their sums) are those of one pass
   const int64_t segment = std::max<int64_t>(16, kSegmentBytes / (slice * sizeof(cache_t)) / 16 * 16);
-  const auto widen = [&](const cache_t* __restrict head, int64_t j0, int64_t m) {  // keys j0.. of one KV head
-    for (int64_t i = 0; i < m; ++i) {
-      const cache_t* __restrict r = head + offsets[j0 + i];
-      const float scale = row_scale(r, D);
-      for (int v = 0; v < V; ++v)
-        store(rows + i * D + v * kLanes, kInt8 ? load(r + v * kLanes) * scale : load(r + v * kLanes));
+  const auto wide = [&](const cache_t* __restrict r, int v) {  // vector v of a row in float32 (int8: scaled)
+    if constexpr (kInt8) return load(r + v * kLanes) * row_scale(r, D);
+    return load(r + v * kLanes);
+  };
+  // every 16 keys (then values) of the segments, every KV head in turn, its G heads in passes of up to kHeads
+  const auto each_pass = [&](const cache_t* cache, auto&& f) {  // f(heads, the KV head's rows, first head, j0, m)
+    for (int64_t s0 = lo; s0 < n; s0 += segment) {
+      const int64_t s1 = std::min(s0 + segment, n);
+      stream(cache, offsets, s0, s1, BS, row, kv0 * W, slice);
+      for (int64_t j0 = s0; j0 < s1; j0 += 16)
+        for (int64_t kh = kv0; kh < kv1; ++kh)
+          in_passes<kHeads>(G, [&](auto heads, int64_t g0) { f(heads, cache + kh * W, kh * G + g0, j0, s1 - j0); });
     }
   };
+  for (int64_t h = kv0 * G; h < kv1 * G; ++h)
+    for (int v = 0; v < V; ++v) store(qs + h * D + v * kLanes, load(q + h * D + v * kLanes) * shape.scale);
 
-  for (int64_t s0 = lo; s0 < n; s0 += segment) {
-    const int64_t s1 = std::min(s0 + segment, n);
-    stream(k_cache, offsets, s0, s1, BS, row, kv0 * W, slice);
-    for (int64_t j0 = s0; j0 < s1; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, s1 - j0);
-      for (int64_t kh = kv0; kh < kv1; ++kh) {
-        if constexpr (!kPairDots) widen(k_cache + kh * W, j0, m);  // kPairDots: the keys stay bfloat16
-        for (int64_t g = 0; g < G; ++g) {
-          const scalar_t* __restrict qh = q + (kh * G + g) * D;
-#if defined(__AVX512BF16__)
-          __m512bh qb[V / 2];  // kPairDots: the head's query as it is, 32 bfloat16 a vector; scaled after the sums
-          if constexpr (kPairDots)
-            for (int v = 0; v < V / 2; ++v) qb[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + v * 2 * kLanes));
-#endif
-          vfloat qv[V];
-          if constexpr (!kPairDots)
-            for (int v = 0; v < V; ++v) qv[v] = load(qh + v * kLanes) * shape.scale;
-          const auto dot = [&](int64_t i) {
-#if defined(__AVX512BF16__)
-            if constexpr (kPairDots) {
-              const cache_t* __restrict key = k_cache + kh * W + offsets[j0 + i];
-              __m512 d = _mm512_setzero_ps();
-              for (int v = 0; v < V / 2; ++v)
-                d = _mm512_dpbf16_ps(d, qb[v], reinterpret_cast<__m512bh>(_mm512_loadu_si512(key + v * 2 * kLanes)));
-              return reinterpret_cast<vfloat>(d);
-            }
-#endif
-            vfloat d = qv[0] * load(rows + i * D);
-            for (int v = 1; v < V; ++v) d += qv[v] * load(rows + i * D + v * kLanes);
-            return d;
-          };
-          const float after = kPairDots ? shape.scale : 1.f;
-          float* __restrict s = scores + (kh * G + g) * shape.max_ctx + j0;
-#if defined(__AVX512F__)
-          if (m == 16) {
-            vfloat d[16];
-            for (int k = 0; k < 16; ++k) d[k] = dot(kTreeOrder[k]);
-            store(s, sum16(d) * after);
-            continue;
-          }
-#endif
-          for (int64_t i = 0; i < m; ++i) s[i] = sum(dot(i)) * after;
+  each_pass(k_cache, [&](auto heads, const cache_t* __restrict keys, int64_t h0, int64_t j0, int64_t left) {
+    constexpr int GH = decltype(heads)::value;
+    constexpr int K = kKeysAtOnce;
+    const int64_t m = std::min<int64_t>(16, left);
+    for (int64_t k0 = 0; k0 < m; k0 += K) {
+      const int64_t kn = std::min<int64_t>(K, m - k0);
+      vfloat d[K][GH];  // key k0 + k, head h0 + g
+      for (int v = 0; v < V; ++v) {
+        vfloat kv[K];
+        for (int k = 0; k < K; ++k) kv[k] = k < kn ? wide(keys + offsets[j0 + k0 + k], v) : vfloat{};
+        for (int g = 0; g < GH; ++g) {
+          const vfloat x = load(qs + (h0 + g) * D + v * kLanes);
+          for (int k = 0; k < K; ++k) d[k][g] = v == 0 ? x * kv[k] : d[k][g] + x * kv[k];
         }
       }
+      float* __restrict out = scores + h0 * ctx + j0 + k0;  // head h0 + g's key k0 + k: out[g * ctx + k]
+      if constexpr (kHeads * K == kSumVectors) {
+        if (kn == K) {  // all their sums at once: lane g K + k
+          vfloat t[kSumVectors];
+          for (int i = 0; i < kSumVectors; ++i) t[i] = i / K < GH ? d[i % K][i / K] : vfloat{};
+          alignas(64) float lanes[kLanes];
+          store(lanes, sums(t));
+          for (int g = 0; g < GH; ++g)
+            for (int k = 0; k < K; ++k) out[g * ctx + k] = lanes[g * K + k];
+          continue;
+        }
+      }
+      for (int g = 0; g < GH; ++g)
+        for (int k = 0; k < kn; ++k) out[g * ctx + k] = sum(d[k][g]);
     }
-  }
+  });
   for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
-    float* __restrict p = scores + h * shape.max_ctx;
+    float* __restrict p = scores + h * ctx;
     const float inv = 1.f / softmax(p + lo, n - lo, shape.sink(h));
     for (int64_t j = lo; j < n; ++j) p[j] *= inv;
   }
   std::fill(acc + kv0 * G * D, acc + kv1 * G * D, 0.f);
-  for (int64_t s0 = lo; s0 < n; s0 += segment) {
-    const int64_t s1 = std::min(s0 + segment, n);
-    stream(v_cache, offsets, s0, s1, BS, row, kv0 * W, slice);
-    for (int64_t j0 = s0; j0 < s1; j0 += 16) {
-      const int64_t m = std::min<int64_t>(16, s1 - j0);
-      for (int64_t kh = kv0; kh < kv1; ++kh) {
-        widen(v_cache + kh * W, j0, m);
-        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-          const float* __restrict p = scores + h * shape.max_ctx + j0;
-          vfloat a[V], a1[V] = {};  // two chains of FMAs: values i and i + 1
-          for (int v = 0; v < V; ++v) a[v] = load(acc + h * D + v * kLanes);
-          int64_t i = 0;
-          for (; i + 1 < m; i += 2)
-            for (int v = 0; v < V; ++v) {
-              a[v] += p[i] * load(rows + i * D + v * kLanes);
-              a1[v] += p[i + 1] * load(rows + (i + 1) * D + v * kLanes);
-            }
-          if (i < m)
-            for (int v = 0; v < V; ++v) a[v] += p[i] * load(rows + i * D + v * kLanes);
-          for (int v = 0; v < V; ++v) store(acc + h * D + v * kLanes, a[v] + a1[v]);
+  constexpr int CV = V < kColumns ? V : kColumns;
+  each_pass(v_cache, [&](auto heads, const cache_t* __restrict values, int64_t h0, int64_t j0, int64_t left) {
+    constexpr int GH = decltype(heads)::value;
+    const int64_t m = std::min<int64_t>(16, left);
+    for (int c0 = 0; c0 < V; c0 += CV) {
+      vfloat a[GH][CV];
+      for (int g = 0; g < GH; ++g)
+        for (int c = 0; c < CV; ++c) a[g][c] = load(acc + (h0 + g) * D + (c0 + c) * kLanes);
+      for (int64_t i = j0; i < j0 + m; ++i) {
+        vfloat x[CV];
+        for (int c = 0; c < CV; ++c) x[c] = wide(values + offsets[i], c0 + c);
+        for (int g = 0; g < GH; ++g) {
+          const float p = scores[(h0 + g) * ctx + i];
+          for (int c = 0; c < CV; ++c) a[g][c] += p * x[c];
         }
       }
+      for (int g = 0; g < GH; ++g)
+        for (int c = 0; c < CV; ++c) store(acc + (h0 + g) * D + (c0 + c) * kLanes, a[g][c]);
     }
-  }
+  });
   for (int64_t h = kv0 * G; h < kv1 * G; ++h)
     for (int v = 0; v < V; ++v) store(out + h * D + v * kLanes, load(acc + h * D + v * kLanes));
 }
@@ -392,20 +304,6 @@ void pv_rows(const float* __restrict p, int64_t stride, const float* __restrict 
   }
 }
 
-template <typename F>
-void by_rows(int64_t rows, F&& f) {  // f(std::integral_constant<int, MR>, first row) over rows in runs of <= 6
-  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-    switch (std::min<int64_t>(kTileRows, rows - r0)) {
-      case 6: f(std::integral_constant<int, 6>{}, r0); break;
-      case 5: f(std::integral_constant<int, 5>{}, r0); break;
-      case 4: f(std::integral_constant<int, 4>{}, r0); break;
-      case 3: f(std::integral_constant<int, 3>{}, r0); break;
-      case 2: f(std::integral_constant<int, 2>{}, r0); break;
-      default: f(std::integral_constant<int, 1>{}, r0); break;
-    }
-  }
-}
-
 // Tokens first..first + tokens - 1 of one sequence (rows of q and out), token i seeing keys 0..n_first + i - 1, the
 // G heads of KV head kh.
 template <typename scalar_t, typename cache_t, int V>
@@ -435,7 +333,7 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
     for (int v = 0; v < V; ++v) store(qs + r * D + v * kLanes, load(q + offset(r) + v * kLanes) * shape.scale);
   const int64_t blocks = (n_max + kKeys - 1) / kKeys;
   float* __restrict scores = sc.scores.get();
-  by_rows(R, [&](auto mr, int64_t r0) {
+  in_passes<kTileRows>(R, [&](auto mr, int64_t r0) {
     qk_rows<decltype(mr)::value>(qs + r0 * D, D, sc.kt.get(), blocks, scores + r0 * stride, stride);
   });
   for (int64_t r = 0; r < R; ++r) {  // row r sees keys lo..n - 1: p is zero elsewhere
@@ -446,7 +344,7 @@ void attend_tile(const scalar_t* __restrict q, const cache_t* __restrict k_cache
     std::fill(s + n, s + n_max, 0.f);
   }
   constexpr int DV = V < kPV ? V : kPV;
-  by_rows(R, [&](auto mr, int64_t r0) {
+  in_passes<kTileRows>(R, [&](auto mr, int64_t r0) {
     pv_rows<scalar_t, decltype(mr)::value, DV>(scores + r0 * stride, stride, sc.vw.get(), n_max, D,
                                                sc.inv.get() + r0, out, [&](int64_t r) { return offset(r0 + r); });
   });
@@ -637,24 +535,16 @@ void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, s
       });
     // The decodes in shares, one that is done taking another's last (work_queue.h)
     llm_kernels::parallel_take(singles.size(), [&](llm_kernels::WorkQueue& queue, int64_t thread) {
-      // attend_token_grouped keeps every head's scores and accumulators, and 16 widened rows
-      // attend_token keeps every head's scores, two p.v chains and 1 / its sum, and its scaled query (in `rows`)
-      constexpr bool kFloat = std::is_same_v<cache_t, float>;
-      const int64_t H = shape.num_heads, D = shape.head_dim;
-      std::vector<float> scores(H * shape.max_ctx), rows(kFloat ? H * D : 16 * D),
-          acc(kFloat ? (2 * D + 1) * H : H * D);
+      const int64_t H = shape.num_heads, D = shape.head_dim;  // attend_token's scratch
+      std::vector<float> scores(H * shape.max_ctx), qs(H * D), acc(H * D);
       std::vector<int64_t> offsets(shape.max_ctx);
       for (int64_t i; (i = queue.take(thread)) >= 0;) {
         const auto [s, t, kv0, kv1] = singles[i];
         const int64_t n = context_lens[s] - (query_start[s + 1] - 1 - t);  // it sees keys lo..n - 1
         const int64_t lo = shape.window ? std::max<int64_t>(0, n - shape.window) : 0;
-        const int64_t* table = block_tables + s * shape.max_blocks;
-        if constexpr (!std::is_same_v<cache_t, float>)
-          attend_token_grouped<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape,
-                                                     kv0, kv1, scores.data(), offsets.data(), rows.data(), acc.data());
-        else
-          attend_token<scalar_t, V>(q + t * HD, k_cache, v_cache, out + t * HD, table, lo, n, shape, kv0, kv1,
-                                    scores.data(), offsets.data(), acc.data(), rows.data());
+        attend_token<scalar_t, cache_t, V>(q + t * HD, k_cache, v_cache, out + t * HD,
+                                           block_tables + s * shape.max_blocks, lo, n, shape, kv0, kv1, scores.data(),
+                                           offsets.data(), qs.data(), acc.data());
       }
     });
   };
