@@ -95,7 +95,8 @@ def _seconds(call) -> float:
 
 
 def _tensors(obj, seen: dict[int, int]) -> None:
-    """The bytes of every tensor a GEMM tactic holds (its packed weight, scales), by storage."""
+    """The bytes of every tensor a GEMM tactic holds (its packed weight, scales), by storage: in its dataclasses,
+    partials and closures (a tactic's `prepare` may return a lambda over its packed tensors)."""
     import functools
 
     import torch
@@ -111,6 +112,9 @@ def _tensors(obj, seen: dict[int, int]) -> None:
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
             _tensors(getattr(obj, f.name), seen)
+    elif getattr(obj, "__closure__", None):
+        for cell in obj.__closure__:
+            _tensors(cell.cell_contents, seen)
 
 
 def engine_points(model_dir: Path, points: list[tuple[int, int]], steps: int, threads: int,
