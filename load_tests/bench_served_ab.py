@@ -73,8 +73,8 @@ def run_pairs(a: list[LLMClient], b: list[LLMClient], items: list[Item], count: 
             (b_itl, b_tps), (a_itl, a_tps) = run_side(b, item), run_side(a, item)
         else:
             (a_itl, a_tps), (b_itl, b_tps) = run_side(a, item), run_side(b, item)
-        pairs.append({"a_itl_ms_p50": round(a_itl, 3), "b_itl_ms_p50": round(b_itl, 3), "a_tok_s": round(a_tps, 2),
-                      "b_tok_s": round(b_tps, 2), "itl_a_over_b": round(a_itl / b_itl, 4),
+        pairs.append({"a_itl_ms_p50": round(a_itl, 6), "b_itl_ms_p50": round(b_itl, 6), "a_tok_s": round(a_tps, 2),
+                      "b_tok_s": round(b_tps, 2), "itl_a_over_b": round(a_itl / b_itl, 6),
                       "tok_s_a_over_b": round(a_tps / b_tps, 4)})
         print(f"  pair {k + 1} of {count}: ITL p50 A {a_itl:.2f} ms, B {b_itl:.2f} ms; A {a_tps:.1f} tok/s, "
               f"B {b_tps:.1f}", file=sys.stderr, flush=True)
