@@ -14,4 +14,10 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(static_cast<const char*>(p) + l, _MM_HINT_T1);
 }
 
+// Every cache line of [p, p + bytes) into L1: a tile load's rows, two loads ahead (q8_0_w8a8.cpp's AMX tiles: a 16-row
+// GEMM 4-20 % faster than its tile loads waiting for L2, Intel Xeon, 2026-12-06).
+inline void prefetch_l1(const void* p, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(static_cast<const char*>(p) + l, _MM_HINT_T0);
+}
+
 }  // namespace llm_kernels

@@ -240,15 +240,15 @@ void panels_times_x(const int8_t* xq, const float* xd, const float* xs, int64_t 
 // With AMX-INT8 (Intel Xeon since Sapphire Rapids), 16 rows at a time: a panel's 4-bit weights are widened once into
 // bytes laid out as tiles (a block's low nibbles are k = 4g + j, its high ones 16 + 4g + j: rows g and 4 + g of its
 // [8][16 channels][4 k] tile), then one tile multiply (tdpbsud) takes a block's 16 x 16 x 32 products, where VNNI
-// spends 128 instructions. Per block the int32 tile goes through memory into the microkernel's float work: the same
-// result, bit for bit. The last M % 16 rows go through the microkernel while the panel is in cache.
+// spends 128 instructions. Per block the int32 tile goes through memory into the microkernel's float work, while the
+// tiles take the next block (amx.h): the same result, bit for bit. The last M % 16 rows go through the microkernel
+// while the panel is in cache.
 template <bool kTable>
 void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K, int64_t panels,
                 const uint8_t* w, BlockScales d, BlockScales m, const int8_t* values, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock, tiles = M / 16;
   llm_kernels::parallel_take(panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::load_int8_block_tiles();
-    alignas(64) int32_t c[16][kPanel];
     std::vector<uint8_t> wide(nb * kBlock * kPanel);  // a panel's weights, a byte each
     std::vector<float> scales(2 * nb * kPanel);  // and its scales as float32, for every tile
     const __m512i table = kTable ? biased_table(values) : _mm512_setzero_si512();
@@ -270,23 +270,22 @@ void amx_panels(const int8_t* xq, const float* xd, const float* xs, int64_t M, i
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
+        const auto weights = [&](int64_t b) __attribute__((always_inline)) {
           if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
             llm_kernels::prefetch_l2(wp + (nb + b) * kPanelBytes, kPanelBytes);
-          _tile_loadd(0, xq + r * K + b * kBlock, K);
-          _tile_loadd(2, wide.data() + b * 512, 64);
-          _tile_zero(4);
-          _tile_dpbsud(4, 0, 2);
-          _tile_stored(4, &c[0][0], 4 * kPanel);
+          return wide.data() + b * 512;
+        };
+        const auto use = [&](int64_t b, const int32_t* c) __attribute__((always_inline)) {
           const __m512 wd = dp.sixteen(b);
           const __m512 wm = kTable ? _mm512_mul_ps(wd, _mm512_set1_ps(-128.f)) : mp.sixteen(b);
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&c[i][0])),
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * kPanel)),
                                      _mm512_mul_ps(wd, _mm512_set1_ps(xd[(r + i) * nb + b])), acc[i]);
             acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[(r + i) * nb + b]), acc[i]);
           }
-        }
+        };
+        llm_kernels::int8_block_products(xq + r * K, K, nb, weights, use);
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) _mm512_storeu_ps(y + (r + i) * ldy + p * kPanel, acc[i]);
       }

@@ -384,7 +384,7 @@ void panels(const Rounded& x, Panel all, float* py, int64_t N, int64_t num_panel
 // With AMX-INT8 (Intel Xeon since Sapphire Rapids), 16 rows at a time: one tile multiply (tdpbsud: x signed, u
 // unsigned) takes a block's 16 x 16 x 32 products, where VNNI spends 128 instructions. Per block the int32 tile goes
 // through memory into the microkernel's float work (plus the row's -128 * sum(x), times the scales, summed over
-// blocks in order): the same result, bit for bit.
+// blocks in order), while the tiles take the next block (amx.h): the same result, bit for bit.
 // The last M % 16 rows go through the microkernel while the panel is in cache. A scale per 32 only (Q8_0; SUB 2 is a
 // GGUF K-quant's 6-bit sub-blocks, which stay on VNNI).
 template <bool MIN>
@@ -392,7 +392,6 @@ void amx_panels(const Rounded& x, int64_t M, Panel all, float* py, int64_t N, in
   const int64_t K = x.K, nb = K / kBlock, tiles = M / 16;
   llm_kernels::parallel_take(num_panels, [&](llm_kernels::WorkQueue& queue, int64_t thread) {
     llm_kernels::load_int8_block_tiles();
-    alignas(64) int32_t c[16][kPanel];
     std::vector<float> scales(2 * nb * kPanel);  // a panel's scales as float32, for every tile
     for (int64_t p = queue.take(thread), next; p >= 0; p = next) {
       next = queue.take(thread);
@@ -406,19 +405,18 @@ void amx_panels(const Rounded& x, int64_t M, Panel all, float* py, int64_t N, in
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
+        const auto weights = [&](int64_t b) ALWAYS_INLINE {
           const uint8_t* wb = one.w + b * kBlock * kPanel;
           if (t == 0 && next == p + 1)  // the next panel's block, as the microkernel prefetches it
             llm_kernels::prefetch_l2(wb + K * kPanel, kBlock * kPanel);
-          _tile_loadd(0, x.q + m * K + b * kBlock, K);
-          _tile_loadd(2, wb, 4 * kPanel);
-          _tile_zero(4);
-          _tile_dpbsud(4, 0, 2);
-          _tile_stored(4, &c[0][0], 4 * kPanel);
+          llm_kernels::prefetch_l1(wb + 2 * kBlock * kPanel, kBlock * kPanel);  // a tile load waits for L2, unlike VNNI's
+          return wb;
+        };
+        const auto use = [&](int64_t b, const int32_t* c) ALWAYS_INLINE {
           const __m512 ws = one.scales.sixteen(b);
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
-            const __m512i dot = _mm512_add_epi32(_mm512_load_si512(&c[i][0]),
+            const __m512i dot = _mm512_add_epi32(_mm512_load_si512(c + i * kPanel),
                                                  _mm512_set1_epi32(x.start(m + i, b, 2)));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[(m + i) * nb + b])),
                                      acc[i]);
@@ -431,7 +429,8 @@ void amx_panels(const Rounded& x, int64_t M, Panel all, float* py, int64_t N, in
               acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(sums[0] + sums[1]), acc[i]);
             }
           }
-        }
+        };
+        llm_kernels::int8_block_products(x.q + m * K, K, nb, weights, use);
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(py + (m + i) * N + p * kPanel, mask, acc[i]);
       }
