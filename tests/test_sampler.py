@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.sampling import SamplingParams, _filter
+from backend.engine.sampling import TOP_P_PREFIXES, SamplingParams, _draw, _filter, _top_p
 
 INF = float("-inf")
 
@@ -32,6 +32,59 @@ def test_each_filter_keeps_what_it_should():
     assert out[2].tolist() == [4.0, 3.0, INF, INF, INF]
     # min_p 0.3: kept where p >= 0.3 x 0.636 = 0.191: the first two
     assert out[3].tolist() == [4.0, 3.0, INF, INF, INF]
+
+
+def _top_p_by_sorting(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: the whole row sorted, the smallest prefix whose probability reaches top_p kept."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = probs.cumsum(-1) - probs >= top_p
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, INF))
+
+
+def test_top_p_finds_the_nucleus_the_full_sort_finds():
+    """_top_p looks among the likeliest 256, then 4,096 tokens before it sorts a whole row: peaked rows (a real
+    model's), flat ones whose nucleus reaches past 4,096 tokens, and a batch of both keep what sorting each row keeps
+    (no ties here); a row with top_p 1 keeps everything."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3 * TOP_P_PREFIXES[-1]
+    peaked = torch.randn(4, vocab, generator=gen) * 8  # the nucleus: a handful of tokens
+    flat = torch.randn(3, vocab, generator=gen) * 0.1  # past every prefix
+    middle = torch.randn(2, vocab, generator=gen) * 2.5  # past the first prefix, inside the second
+    for rows in (peaked, flat, middle, torch.cat([peaked, flat, middle])):
+        for top_p in (0.5, 0.9, 0.99):
+            want = _top_p_by_sorting(rows, top_p)
+            got = _top_p(rows, torch.full((len(rows), 1), top_p))
+            assert torch.equal(got, want), (len(rows), top_p)
+    kept = (_top_p(middle, torch.full((2, 1), 0.9)) > INF).sum(-1)
+    assert (kept > TOP_P_PREFIXES[0]).all() and (kept < TOP_P_PREFIXES[1]).all()  # the case it claims to cover
+    mixed = _top_p(torch.cat([peaked, flat]), torch.tensor([[0.9]] * 4 + [[1.0]] * 3))
+    assert torch.equal(mixed[4:], flat) and torch.equal(mixed[:4], _top_p_by_sorting(peaked, 0.9))
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_it_needs():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    probs = torch.softmax(logits, dim=-1)[0]
+    top_p = float(probs[0] + probs[1] / 2)  # the first 1.0 reaches it
+    assert _top_p(logits, torch.tensor([[top_p]])).tolist() == [[3.0, 1.0, 1.0, 1.0, INF]]
+
+
+def test_draw_is_the_inverse_transform_and_never_picks_a_dropped_token():
+    """Each row's token is the first whose cumulative probability passes uniform x sum, a row at a time: a token of
+    probability 0 is never drawn, at u = 0 nor at the largest float64 below 1; draws over a grid of uniforms land on
+    each token as often as its probability says."""
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.25, 0.25, 0.0, 0.0, 0.0, 0.5]])
+    below_one = 1.0 - 2.0 ** -53
+    assert _draw(probs, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
+    assert _draw(probs, torch.tensor([below_one, below_one], dtype=torch.float64)).tolist() == [4, 5]
+    assert _draw(probs, torch.tensor([0.2, 0.5], dtype=torch.float64)).tolist() == [3, 5]  # a boundary: the next one
+    grid = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000
+    counts = torch.bincount(_draw(probs[:1].expand(1000, -1), grid), minlength=6)
+    assert counts.tolist() == [0, 200, 0, 500, 300, 0]
+    unnormalized = probs * 7  # filtered probabilities need not sum to 1
+    assert torch.equal(_draw(unnormalized[:1].expand(1000, -1), grid), _draw(probs[:1].expand(1000, -1), grid))
+    nothing = torch.full((1, 6), float("nan"))  # a guided row that allows no token: some index, no error
+    assert 0 <= int(_draw(nothing, torch.tensor([0.3], dtype=torch.float64))[0]) < 6
 
 
 def test_argmax_kernel_is_torch_argmax():

@@ -112,18 +112,21 @@ def test_a_stop_id_or_max_tokens_inside_an_accepted_run(smollm2_dir, prompts, pl
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
 def test_seeded_sampled_output_is_the_same_with_speculation(smollm2_dir, prompts, drafter):
-    """Each verified position is drawn with the noise of (seed, position), as without speculation: a seeded output is
-    token for token the same, so its distribution is the model's (the rejection sampler for certain drafts)."""
+    """Each verified position is drawn with the uniform of (seed, position), as without speculation: a seeded output
+    is token for token the same, so its distribution is the model's (the rejection sampler for certain drafts)."""
     params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=t, top_p=top_p, seed=seed)
-              for seed, (t, top_p) in enumerate([(0.3, 1.0), (0.7, 0.9), (1.0, 1.0)] * 2)]
+              for seed, (t, top_p) in enumerate([(0.3, 1.0), (0.7, 0.9), (1.0, 1.0), (1.0, 0.95), (0.6, 1.0),
+                                                 (0.9, 0.8)])]
     batch = prompts * 2
-    expected = LLMEngine(EngineConfig.create(model=str(smollm2_dir))).generate(batch, params)
+    plain = LLMEngine(EngineConfig.create(model=str(smollm2_dir)))
+    expected = plain.generate(batch, params)
+    greedy = plain.generate(batch, [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)] * len(batch))
     settings = {"draft_model": str(smollm2_dir), "draft_quantization": "int4"} if drafter == "draft" else {}
     eng = LLMEngine(EngineConfig.create(model=str(smollm2_dir), speculative=drafter, num_speculative_tokens=4,
                                         speculative_max_batch=64, **settings))
     assert eng.generate(batch, params) == expected
     assert eng.num_accepted_tokens > 0 and eng.kv.num_used_blocks == 0
-    assert len({tuple(o) for o in expected}) == len(expected)  # the seeds drew different outputs
+    assert sum(o != g for o, g in zip(expected, greedy)) >= len(batch) // 2  # the draws left the greedy path
 
 
 def drain(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:

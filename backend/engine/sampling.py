@@ -2,8 +2,8 @@
 
 Greedy rows (temperature 0) are one batched argmax. Random rows draw from their own `torch.Generator`, seeded
 from (the sequence's seed, the token's position): a request with a seed yields the same tokens whatever else is in
-the batch, and whether or not speculation drafted them (speculation.py samples each verified position with the noise
-it would have drawn without).
+the batch, and whether or not speculation drafted them (speculation.py samples each verified position with the draw
+it would have made without).
 Logprobs (and a prompt's, `token_logprobs`) are those of the model's raw distribution (log_softmax of the logits before
 a guide's mask, penalties and temperature), as vLLM and TensorRT-LLM report them by default; a row with
 `top_logprobs` N also gets that distribution's N likeliest (token id, logprob) pairs, likeliest first.
@@ -174,12 +174,30 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         kth = kth.masked_fill(column(ks) == 0, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = column([p.top_p for p in params])
-        drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)  # keep the smallest set reaching top_p
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = _top_p(logits, column([p.top_p for p in params]))
     return logits
+
+
+TOP_P_PREFIXES = (256, 4096)  # the likeliest tokens _top_p looks for a row's nucleus among, before a full sort
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's smallest set of likeliest tokens whose probability reaches its top_p [R, 1] (and every token tied
+    with the last of them), the rest at -inf; a row with top_p 1 as it is. The set is looked for among the likeliest
+    256, then 4,096 tokens (torch.topk), sorting the whole row only where it reaches past them: a real model's nucleus
+    rarely does, and sorting 16 rows of a 128k vocabulary took 75 ms (2-core Xeon, 2026-12-06), where the 1B model's
+    whole decode step at 16 rows took 112."""
+    probs = torch.softmax(logits, dim=-1)
+    on = top_p < 1.0
+    for k in (*(k for k in TOP_P_PREFIXES if k < probs.shape[-1]), probs.shape[-1]):
+        whole = k == probs.shape[-1]
+        likeliest = (torch.sort(probs, dim=-1, descending=True) if whole else torch.topk(probs, k, dim=-1)).values
+        kept = (likeliest.cumsum(-1) - likeliest < top_p) | ~on  # the mass of the likelier ones short of top_p
+        if whole or not kept[:, -1:][on].any():  # every row's set ends inside the prefix
+            break
+    count = kept.long().cumprod(-1).sum(-1, keepdim=True).clamp(min=1)  # 0: a row of NaN (a guide allowed nothing)
+    last = likeliest.gather(1, count - 1)  # the set's least likely token
+    return logits.masked_fill((probs < last) & on, float("-inf"))
 
 
 def _top_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], rows: list[SamplerRow]
@@ -213,6 +231,18 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows_per_p
     return out
 
 
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row of probs [R, V] draws a token by its uniform in [0, 1) [R]: the first token whose cumulative
+    probability passes the uniform times the row's sum (inverse transform; the sums in float64), never one of
+    probability 0. One random number a row: the exponential race (argmax of probs over Exp(1) noise) drew one per
+    token, ~3 ms a row of a 128k vocabulary (2-core Xeon, 2026-12-06)."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    pick = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total)  # the last token of any probability: where the sum reaches its total
+    return torch.minimum(pick, last)[:, 0].clamp(max=probs.shape[-1] - 1)  # a row of NaN (no token allowed): any
+
+
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     """Pick one token per row of `logits` [S, V] (float32, on the CPU or the GPU), with the logprobs each row asks
     for. The picks (and their logprobs) reach the host in one copy."""
@@ -234,11 +264,10 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
         probs = torch.softmax(_filter(processed[drawn], [rows[i].params for i in drawn]), dim=-1)
-        # Exponential race == multinomial draw: one generator call per row, seeded by the row's sequence and position
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(drawn):
-            noise[j].exponential_(generator=rows[i].state.generator(probs.device, rows[i].position))
-        picks[drawn] = argmax(probs / noise)
+        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, device=probs.device,
+                                         generator=rows[i].state.generator(probs.device, rows[i].position))
+                              for i in drawn])  # one a row, seeded by the row's sequence and position
+        picks[drawn] = _draw(probs, uniforms)
     columns = [picks]
     if guided:  # a row whose every token is masked or banned picks one at -inf: it has none
         columns.append(processed.gather(1, picks[:, None])[:, 0])

@@ -12,7 +12,7 @@ takes generated tokens one by one in any chunk), and the GEMM tactics but `aten`
 any row count; elsewhere (the gather graph, the GPU kernels, MKL) the verify rows round as a prefill chunk does, which
 can differ from a one-token decode only at a near-tie.
 
-A sampled row draws each position with the noise of (its seed, that position) (sampling.py), the noise it draws there
+A sampled row draws each position with the uniform of (its seed, that position) (sampling.py), the draw it makes there
 without speculation: a seeded output is the same with speculation on or off, and so its distribution is the target's.
 This is rejection sampling for drafts that are certain (an n-gram's, or a greedy draft model's: q is one-hot): the
 draft d is kept with probability p(d), and otherwise the token comes from p without d, renormalized.
