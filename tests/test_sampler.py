@@ -3,9 +3,11 @@ is filtered as it would be alone, whatever filters its neighbours use, and each 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from backend.engine.sampling import TOP_P_PREFIXES, SamplingParams, _draw, _filter, _top_p
+from backend.engine.sampling import (TOP_P_PREFIXES, SamplingParams, _draw, _filter, _inverse_transform,
+                                     _top_p)
 
 INF = float("-inf")
 
@@ -69,22 +71,49 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_it_needs():
     assert _top_p(logits, torch.tensor([[top_p]])).tolist() == [[3.0, 1.0, 1.0, 1.0, INF]]
 
 
-def test_draw_is_the_inverse_transform_and_never_picks_a_dropped_token():
-    """Each row's token is the first whose cumulative probability passes uniform x sum, a row at a time: a token of
-    probability 0 is never drawn, at u = 0 nor at the largest float64 below 1; draws over a grid of uniforms land on
-    each token as often as its probability says."""
+def _kernel_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    from backend.engine.kernels import cpu_kernels
+
+    cpu_kernels.load()
+    return _draw(logits, uniforms)  # kernels/draw.cpp, now that they are loaded
+
+
+def _torch_draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    return _inverse_transform(torch.softmax(logits, dim=-1), uniforms)  # what the GPU runs
+
+
+@pytest.mark.parametrize("draw", [_kernel_draw, _torch_draw])
+def test_draw_is_the_inverse_transform_and_never_picks_a_dropped_token(draw):
+    """Each row's token is the first whose cumulative probability passes uniform x sum, a row at a time: a token at
+    -inf is never drawn, at u = 0 nor at the largest float64 below 1; draws over a grid of uniforms land on each
+    token as often as its probability says, in a row of 37 tokens (the kernel's vectors and a padded tail) and one of
+    a 128k vocabulary."""
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.25, 0.25, 0.0, 0.0, 0.0, 0.5]])
+    logits = torch.log(probs) + 3.0  # -inf where 0; logits, not log-probabilities
     below_one = 1.0 - 2.0 ** -53
-    assert _draw(probs, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
-    assert _draw(probs, torch.tensor([below_one, below_one], dtype=torch.float64)).tolist() == [4, 5]
-    assert _draw(probs, torch.tensor([0.2, 0.5], dtype=torch.float64)).tolist() == [3, 5]  # a boundary: the next one
+    assert draw(logits, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
+    assert draw(logits, torch.tensor([below_one, below_one], dtype=torch.float64)).tolist() == [4, 5]
     grid = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000
-    counts = torch.bincount(_draw(probs[:1].expand(1000, -1), grid), minlength=6)
+    counts = torch.bincount(draw(logits[:1].expand(1000, -1).contiguous(), grid), minlength=6)
     assert counts.tolist() == [0, 200, 0, 500, 300, 0]
-    unnormalized = probs * 7  # filtered probabilities need not sum to 1
-    assert torch.equal(_draw(unnormalized[:1].expand(1000, -1), grid), _draw(probs[:1].expand(1000, -1), grid))
-    nothing = torch.full((1, 6), float("nan"))  # a guided row that allows no token: some index, no error
-    assert 0 <= int(_draw(nothing, torch.tensor([0.3], dtype=torch.float64))[0]) < 6
+    for vocab in (37, 128256):
+        row = torch.full((1, vocab), float("-inf"))
+        at = torch.tensor([3, vocab // 2, vocab - 1])
+        row[0, at] = torch.log(torch.tensor([0.25, 0.5, 0.25]))
+        counts = torch.bincount(draw(row.expand(1000, -1).contiguous(), grid), minlength=vocab)
+        assert counts[at].tolist() == [250, 500, 250] and counts.sum() == 1000
+    nothing = torch.full((1, 6), float("-inf"))  # a guided row that allows no token: some index, no error
+    assert 0 <= int(draw(nothing, torch.tensor([0.3], dtype=torch.float64))[0]) < 6
+
+
+def test_the_kernels_draws_are_the_torch_ops_draws():
+    """kernels/draw.cpp and the torch ops (the GPU's) draw the same tokens from the same logits and uniforms, but
+    where a uniform falls within float rounding of a boundary (none among these)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 49157, generator=gen) * 4
+    logits[::3, ::2] = float("-inf")  # filtered rows
+    uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+    assert torch.equal(_kernel_draw(logits, uniforms), _torch_draw(logits, uniforms))
 
 
 def test_argmax_kernel_is_torch_argmax():

@@ -20,7 +20,7 @@ import torch
 
 from backend.engine.errors import InvalidRequestError
 from backend.engine.guided_decoding import GrammarState, Guide, apply_masks
-from backend.engine.kernels.cpu_kernels import argmax
+from backend.engine.kernels.cpu_kernels import argmax, loaded
 
 NO_TOKEN = -1  # sample()'s token for a guided row that allows none (its grammar, min_tokens and bad words)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -231,11 +231,18 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, rows_per_p
     return out
 
 
-def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Each row of probs [R, V] draws a token by its uniform in [0, 1) [R]: the first token whose cumulative
-    probability passes the uniform times the row's sum (inverse transform; the sums in float64), never one of
-    probability 0. One random number a row: the exponential race (argmax of probs over Exp(1) noise) drew one per
-    token, ~3 ms a row of a 128k vocabulary (2-core Xeon, 2026-12-06)."""
+def _draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row of filtered logits [R, V] draws a token by its uniform in [0, 1) [R]: the first token whose
+    cumulative probability passes the uniform times the row's sum (inverse transform), never one at -inf. On the CPU
+    kernels/draw.cpp, else torch ops (_inverse_transform). One random number a row: the exponential race (argmax of
+    probs over Exp(1) noise) drew one per token, ~3 ms a row of a 128k vocabulary (2-core Xeon, 2026-12-06)."""
+    if logits.device.type == "cpu" and loaded():
+        return torch.ops.llm_kernels.draw_rows(logits.contiguous(), uniforms)
+    return _inverse_transform(torch.softmax(logits, dim=-1), uniforms)
+
+
+def _inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """_draw on probabilities [R, V], in torch ops (the sums in float64)."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:].contiguous()
     pick = torch.searchsorted(cdf, uniforms[:, None] * total, right=True)
@@ -263,11 +270,11 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[Sampled]:
     picks = argmax(processed)
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:
-        probs = torch.softmax(_filter(processed[drawn], [rows[i].params for i in drawn]), dim=-1)
-        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, device=probs.device,
-                                         generator=rows[i].state.generator(probs.device, rows[i].position))
+        filtered = _filter(processed if len(drawn) == len(rows) else processed[drawn], [rows[i].params for i in drawn])
+        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, device=filtered.device,
+                                         generator=rows[i].state.generator(filtered.device, rows[i].position))
                               for i in drawn])  # one a row, seeded by the row's sequence and position
-        picks[drawn] = _draw(probs, uniforms)
+        picks[drawn] = _draw(filtered, uniforms)
     columns = [picks]
     if guided:  # a row whose every token is masked or banned picks one at -inf: it has none
         columns.append(processed.gather(1, picks[:, None])[:, 0])
