@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.kernels import cpu_kernels
 from backend.engine.sampling import SamplerRow, SamplingParams, SamplingState, sample
 from load_tests.machine import cpu_summary
 
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("results/sampler.json"))
     args = parser.parse_args()
+    cpu_kernels.load()  # as the engine's CPU runner does: the draw's kernel (kernels/draw.cpp) and the greedy argmax
     cpu = cpu_summary()
     print(f"CPU: {cpu}, {torch.get_num_threads()} threads")
     print(f"{'vocab':>7} {'rows':>4}  {'config':24} {'ours ms':>8} {'replaced ms':>11} {'speedup':>7}")
