@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_linear.cpp", HERE / "bf16_amx.cpp",
            HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp",
-           HERE / "expert_routing.cpp", HERE / "draw.cpp")
+           HERE / "expert_routing.cpp", HERE / "draw.cpp", HERE / "huge_pages.cpp")
 HEADERS = (HERE / "cpu_math.h", HERE / "amx.h", HERE / "scratch.h", HERE / "work_queue.h", HERE / "expert_groups.h",
            HERE / "block_scales.h", HERE / "prefetch.h")
 REPO_ROOT = HERE.parents[2]

@@ -50,7 +50,7 @@ def _stacked(linears: list[Linear]) -> ExpertsGemm | None:
     biases = [linear.gemm.bias for linear in linears]
     if any((b is None) != (biases[0] is None) for b in biases):
         return None
-    return ExpertsGemm(PackedKernel(first.op, first.experts_op, panels, first.shared, first.out_features),
+    return ExpertsGemm(PackedKernel.of(first.op, first.experts_op, panels, first.shared, first.out_features),
                        None if biases[0] is None else torch.stack(biases))
 
 

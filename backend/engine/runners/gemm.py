@@ -136,6 +136,15 @@ def _float_bias(bias: torch.Tensor | None, gemm: Gemm) -> FloatBias:
     return FloatBias(gemm, None if bias is None else bias.float())
 
 
+HUGE_PAGE = 2 << 20
+
+
+def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A packed weight in memory of 2 MiB pages (kernels/huge_pages.cpp), where it fills at least one: a decode step
+    streams it from DRAM, and with 4 KiB pages each 4 KiB of it costs a TLB miss."""
+    return torch.ops.llm_kernels.in_huge_pages(t) if t.device.type == "cpu" and t.nbytes >= HUGE_PAGE else t
+
+
 @dataclass(frozen=True)
 class PackedKernel:
     """One of our int8 GEMM kernels with its packed weight: `op(x, *panels, *shared, out_features)`. `panels` are
@@ -150,12 +159,19 @@ class PackedKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, *self.panels, *self.shared, self.out_features)
 
+    @classmethod
+    def of(cls, op: Callable[..., torch.Tensor], experts_op: Callable[..., torch.Tensor],
+           panels: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor, ...], out_features: int) -> PackedKernel:
+        """With its panels in huge pages."""
+        return cls(op, experts_op, tuple(map(in_huge_pages, panels)), shared, out_features)
+
 
 def _f32_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    packed, rows = torch.ops.llm_kernels.f32_pack(weight.float()), weight.shape[0]  # not `weight`: the module frees it
+    packed = in_huge_pages(torch.ops.llm_kernels.f32_pack(weight.float()))
+    rows = weight.shape[0]  # not `weight`: the module frees it
     return _float_bias(bias, lambda x: torch.ops.llm_kernels.f32_linear(x, packed, rows))
 
 
@@ -163,7 +179,7 @@ def _bf16_amx(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    packed, rows = torch.ops.llm_kernels.bf16_amx_pack(weight), weight.shape[0]
+    packed, rows = in_huge_pages(torch.ops.llm_kernels.bf16_amx_pack(weight)), weight.shape[0]
     b = None if bias is None else bias.float()  # once here, not at every call
     return lambda x: torch.ops.llm_kernels.bf16_amx_linear(x, packed, b, rows)
 
@@ -173,7 +189,7 @@ def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
 
     cpu_kernels.load()
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
-    packed, scales = torch.ops.llm_kernels.q8_0_pack(blocks.q, blocks.scale)
+    packed, scales = map(in_huge_pages, torch.ops.llm_kernels.q8_0_pack(blocks.q, blocks.scale))
     n, mins = blocks.q.shape[0], _panel_major(blocks.m)
     return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_linear(x, packed, scales, mins, n))
 
@@ -245,8 +261,8 @@ def _q8_0_w8a8(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Ge
     else:  # 4 consecutive k of a channel together, as u = w + 128 (vpdpbusd's unsigned operand; the kernel's doc)
         packed = (q.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous().view(torch.uint8) ^ 0x80)
     ops = torch.ops.llm_kernels
-    return _float_bias(bias, PackedKernel(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts,
-                                          (packed, scales, mins, scale_steps, min_steps), (), n))
+    return _float_bias(bias, PackedKernel.of(ops.q8_0_w8a8_linear, ops.q8_0_w8a8_experts,
+                                             (packed, scales, mins, scale_steps, min_steps), (), n))
 
 
 def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Gemm:
@@ -257,8 +273,8 @@ def _q4_1_w4a8(weight: torch.Tensor | Q4Blocks, bias: torch.Tensor | None) -> Ge
     n, packed = blocks.q.shape[0], _nibbles(_panels(blocks.q))
     values = torch.empty(0, dtype=torch.int8) if blocks.values is None else blocks.values
     ops = torch.ops.llm_kernels
-    return _float_bias(bias, PackedKernel(ops.q4_1_w4a8_linear, ops.q4_1_w4a8_experts,
-                                          (packed, *_scales_as_read(blocks)), (values,), n))
+    return _float_bias(bias, PackedKernel.of(ops.q4_1_w4a8_linear, ops.q4_1_w4a8_experts,
+                                             (packed, *_scales_as_read(blocks)), (values,), n))
 
 
 def _triton_blocks(weight: torch.Tensor | Blocks, bias: torch.Tensor | None, form: Callable[..., Blocks]) -> Gemm:
