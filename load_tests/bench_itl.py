@@ -4,15 +4,17 @@ single user sees, where bench_online's burst measures it at saturation).
 One tritonserver on model_repository's `llm` (its shipped settings, `--quantization` as given) and the offline
 engine (LLMEngine in this process, the same settings) take the same requests in pairs, one after the other and
 alone on the CPU, the pair's order alternating:
-  served   one tritonclient gRPC stream, greedy, EOS ignored: the gaps between consecutive responses that add tokens,
-           as the client receives them
+  served   one stream, greedy, EOS ignored: the gaps between consecutive responses that add tokens, as the client
+           receives them; over tritonclient's gRPC stream (--protocol grpc, as `python -m client`) or Triton's HTTP
+           generate_stream (--protocol http: server-sent events, read by `requests`, whose client takes less CPU
+           beside the server on the same cores)
   offline  the gaps between the request's consecutive outputs of `step()`
 Each pair's ratio is its served median gap over its offline one; the report is the median of the pairs' ratios. On
 a VM whose speed drifts within a minute (1.3x seen on these 2-core machines), only a ratio taken seconds apart
 means anything: rounds of a whole server run against a whole offline run read 1.03-1.30x within ten minutes.
 
-    python -m load_tests.bench_itl [--model default|DIR] [--quantization auto] [--requests 4] [--max-tokens 128]
-        [--pairs 12] [--threads 2] [--out results/itl]
+    python -m load_tests.bench_itl [--model default|DIR] [--quantization auto] [--protocol grpc|http] [--requests 4]
+        [--max-tokens 128] [--pairs 12] [--threads 2] [--out results/itl]
 
 Writes itl.json to --out.
 """
@@ -121,6 +123,7 @@ def pair_workload(args: argparse.Namespace) -> tuple[Path, list[Item], str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_args(p, pairs=12, out="results/itl")
+    p.add_argument("--protocol", default="grpc", choices=["grpc", "http"], help="the served client's stream")
     return p.parse_args(argv)
 
 
@@ -128,19 +131,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_dir, items, machine = pair_workload(args)
     print(f"{model_dir.name}, quantization {args.quantization}: {args.pairs} pairs of {args.max_tokens}-token "
-          f"requests; {machine}", file=sys.stderr)
+          f"requests, served over {args.protocol}; {machine}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp_name:
         repo = ours_repository(Path(tmp_name), model_dir, {"quantization": args.quantization})
         engine = LLMEngine(engine_config_from_settings(string_parameters((repo / "llm" / "config.pbtxt").read_text())))
-        with triton_system(repo, "llm", timeout=120.0) as served:
+        with triton_system(repo, "llm", timeout=120.0, protocol=args.protocol) as served:
             pairs = run_pairs(served, engine, items, args.pairs)
     ratio = median_and_quartiles([p["served_over_offline"] for p in pairs])
-    print(f"{model_dir.name} ({args.quantization}), one stream, served / offline ITL (p50): median of {len(pairs)} "
-          f"pairs {ratio['median']:.3f} (quartiles {ratio['q1']:.3f}-{ratio['q3']:.3f}); {cpu_summary()}")
+    print(f"{model_dir.name} ({args.quantization}), one {args.protocol} stream, served / offline ITL (p50): median of "
+          f"{len(pairs)} pairs {ratio['median']:.3f} (quartiles {ratio['q1']:.3f}-{ratio['q3']:.3f}); {cpu_summary()}")
     args.out.mkdir(parents=True, exist_ok=True)
-    data = {"model": str(model_dir), "quantization": args.quantization, "requests": args.requests,
-            "max_tokens": args.max_tokens, "threads": args.threads, "machine": machine, "pairs": pairs,
-            "served_over_offline": ratio}
+    data = {"model": str(model_dir), "quantization": args.quantization, "protocol": args.protocol,
+            "requests": args.requests, "max_tokens": args.max_tokens, "threads": args.threads, "machine": machine,
+            "pairs": pairs, "served_over_offline": ratio}
     (args.out / "itl.json").write_text(json.dumps(data, indent=2) + "\n")
 
 

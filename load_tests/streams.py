@@ -131,9 +131,9 @@ def triton_sse_stream(session: requests.Session, base_url: str, model: str, prom
     times: list[float] = []
     tokens, end = 0, None
     for now, event in _read_events(response, timeout):
-        if event.get("text_output"):
+        if (count := event.get("num_output_tokens", tokens)) > tokens:  # timed as grpc_stream times them
             times.append(now)
-        tokens = event.get("num_output_tokens", tokens)
+        tokens = count
         if event.get("finish_reason"):
             end = now
     if end is None:
