@@ -111,12 +111,15 @@ def save_random_hf(config, folder: Path, seed: int = 0, shard_bytes: int = 1 << 
     """A transformers config's seeded random bfloat16 weights as an HF folder (safetensors, config, SmolLM2's
     tokenizer). The model is built on the meta device and its modules are given memory one at a time, initialised by
     the model class's own `_init_weights` (as transformers initialises a new model) and written in shards of about
-    `shard_bytes` as they fill: an 8B shape takes ~2 GiB of memory here, not its 16 GB."""
+    `shard_bytes` as they fill: an 8B shape takes ~2 GiB of memory here, not its 16 GB. Tensors are written under
+    the checkpoint's names and layout, as save_pretrained writes them: transformers 5 holds a Qwen3-MoE layer's experts
+    as two 3-D tensors, which llama.cpp's converter does not read; the published files have one Linear per expert."""
     import json
 
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     from backend.serving.model_store import prepare_default_model
 
@@ -132,10 +135,11 @@ def save_random_hf(config, folder: Path, seed: int = 0, shard_bytes: int = 1 << 
     shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
 
-    def flush() -> None:
+    def flush() -> None:  # a module's tensors share a shard, so each conversion finds all of its sources in it
         name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(shard, tmp / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
+        written = {k: t.contiguous() for k, t in revert_weight_conversion(model, shard).items()}
+        save_file(written, tmp / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(written, name))
         shard.clear()
 
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """load_tests/random_gguf.save_random_hf: a model's random weights written a module at a time, in shards, as
-transformers would initialise them; the folder loads in transformers with every weight found."""
+transformers would initialise them, under the names save_pretrained writes (a Qwen3-MoE's experts one Linear each, as
+llama.cpp's converter reads them); the folder loads in transformers with every weight found."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 from load_tests.random_gguf import save_random_hf
@@ -29,7 +31,12 @@ def test_random_weights_written_in_shards_load_whole(config, tmp_path):
     model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, output_loading_info=True)
     assert not any(info.values()), info  # nothing missing, unexpected or mismatched
     params = dict(model.named_parameters())
-    assert set(index["weight_map"]) == set(params)  # each tensor once: a tied lm_head is the embedding's
+    # the names save_pretrained writes, each tensor once (a tied lm_head is the embedding's)
+    model.save_pretrained(tmp_path / "reference")
+    with safe_open(tmp_path / "reference" / "model.safetensors", "pt") as f:
+        assert set(index["weight_map"]) == set(f.keys())
+    if config.model_type == "qwen3_moe":
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in index["weight_map"]
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == config.tie_word_embeddings
     norms = [p for n, p in params.items() if n.endswith("norm.weight")]
     assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
