@@ -72,6 +72,15 @@ def test_silu_mul_equals_torch(dtype, width):
     close(KernelOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("width", [2 * 96, 2 * 101])
+def test_clamped_swiglu_mul_equals_torch(dtype, width):
+    torch.manual_seed(3)
+    gate_up = (6 * torch.randn(19, width)).to(dtype)  # past gpt-oss's limit of 7 both ways, in gate and up
+    assert (gate_up.abs() > 7).any()
+    close(KernelOps.clamped_swiglu_mul(gate_up, 1.702, 7.0), TorchOps.clamped_swiglu_mul(gate_up, 1.702, 7.0), dtype)
+
+
 def test_bad_shapes_are_refused_by_the_op_name():
     with pytest.raises(RuntimeError, match="rms_norm: x"):
         torch.ops.llm_kernels.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5)

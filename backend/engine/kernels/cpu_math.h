@@ -50,6 +50,8 @@ inline vfloat fast_exp(vfloat x) {
 
 inline vfloat max(vfloat a, vfloat b) { return a > b ? a : b; }
 
+inline vfloat min(vfloat a, vfloat b) { return a < b ? a : b; }
+
 inline vfloat abs(vfloat a) { return a < 0.f ? -a : a; }
 
 inline vfloat load(const float* p) {

@@ -121,8 +121,11 @@ class KernelOps:
     def combine_experts(ys: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         return torch.ops.llm_kernels.combine_experts(ys, weights, order)
 
+    @staticmethod
+    def clamped_swiglu_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        return torch.ops.llm_kernels.clamped_swiglu_mul(gate_up, alpha, limit)
+
     gelu_tanh_mul = TorchOps.gelu_tanh_mul
-    clamped_swiglu_mul = TorchOps.clamped_swiglu_mul
 
 
 class TritonOps:
