@@ -1,6 +1,6 @@
 // The elementwise work around a step's GEMMs, fused: one pass over memory instead of one per torch op
 // (RMSNorm alone is six: float copy, pow, mean, add, rsqrt, two muls; rotary is six more; SiLU * up two;
-// gpt-oss's clamped SwiGLU eight).
+// gpt-oss's clamped SwiGLU seven).
 // Each op rounds to the storage dtype where the torch ops it replaces do (models/llama.py, the reference the exported graph runs), so float32
 // results differ only in the order of the sums; bfloat16 and float16 in those and the rounding of partial
 // sums that torch keeps in float32 too.
@@ -193,7 +193,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // gpt-oss's activation, rounded where models/llama.py TorchOps.clamped_swiglu_mul's torch ops round: gate clamped
-// above at `limit`, up to [-limit, limit], (up + 1) * (gate * sigmoid(alpha gate)). Its torch ops were eight passes
+// above at `limit`, up to [-limit, limit], (up + 1) * (gate * sigmoid(alpha gate)). Its torch ops were seven passes
 // over [T, 2I] at a decode step: ~65 us a layer on AMD Zen 3.
 at::Tensor clamped_swiglu_mul(const at::Tensor& gate_up, double alpha, double limit) {
   const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
