@@ -28,10 +28,13 @@ def cpu_env(threads: int) -> dict[str, str]:
 
     The default binding, "auto", reserves one core per rank for vLLM's scheduler process, which on
     a 2-core box leaves a single compute thread; the benchmark gives every system the same threads.
+    A step may take longer than vLLM's 300 s RPC timeout: bfloat16 on a CPU without avx512_bf16 (AMD Zen 3)
+    prefilled 4,096 tokens in one step for over 300 s, and the engine died (TimeoutError) at 64 requests.
     """
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
     }
 
 
