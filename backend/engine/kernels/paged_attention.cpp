@@ -119,7 +119,11 @@ void stream(const cache_t* __restrict cache, const int64_t* __restrict offsets, 
 // Qwen3-4B's heads (G 4, head_dim 128, float16 cache) 8 sequences of 1,040 keys took 1.22-1.38x this one's time, one
 // 1.17x, 16 of 300 1.22x; other heads (G 3 and 7, head_dim 64 and 256) 1.14-1.35x; int8 1.15x, float32 1.06-1.21x,
 // bfloat16 the same as its AVX512-BF16 pair dots; the AVX2 build 1.03-1.08x (AMD EPYC Zen 4, 36 layers' caches cold,
-// old and new builds alternating in one process).
+// old and new builds alternating in one process). On AVX2, q.k's accumulators start at zero and its loop over a key's
+// vectors is unrolled, the full groups of kKeysAtOnce keys apart from the last keys, and p.v takes its value rows' and
+// probabilities' pointers once per 16 keys: before, GCC kept q.k's accumulators on the stack in a loop that tested each
+// key's presence, and p.v reloaded its pointers for every value; the 1B's and 4B's heads at 1,040 keys (float16 cache)
+// took 1.16-1.25x this one's time (AMD EPYC Zen 3, 2 threads, cold and warm, one sequence and eight).
 // Key j's row (every KV head of one position) starts at element offsets[j] of the cache: the block table is read once
 // per token. The rows come from memory first, kSegmentBytes of keys (then of values) at a time, by `stream`, and the
 // heads then compute over the segment from L2: reading while computing (each group's first head fetching its rows as it
@@ -176,33 +180,49 @@ void attend_token(const scalar_t* __restrict q, const cache_t* __restrict k_cach
 
   each_pass(k_cache, [&](auto heads, const cache_t* __restrict keys, int64_t h0, int64_t j0, int64_t left) {
     constexpr int GH = decltype(heads)::value;
-    constexpr int K = kKeysAtOnce;
     const int64_t m = std::min<int64_t>(16, left);
-    for (int64_t k0 = 0; k0 < m; k0 += K) {
-      const int64_t kn = std::min<int64_t>(K, m - k0);
-      vfloat d[K][GH];  // key k0 + k, head h0 + g
+    const float* __restrict qh = qs + h0 * D;
+    const int64_t* __restrict at = offsets + j0;
+    float* __restrict out = scores + h0 * ctx + j0;  // head h0 + g's key k: out[g * ctx + k]
+    // keys k0..k0 + K - 1 against the pass's heads: d[k][g] = sum over v of q(h0 + g, v) * key(k0 + k, v), a chain of
+    // FMAs from zero over v = 0, 1, ... (unrolled: the accumulators stay in registers)
+    const auto dots = [&](auto keys_at_once, int64_t k0, vfloat (&d)[decltype(keys_at_once)::value][GH]) {
+      constexpr int K = decltype(keys_at_once)::value;
+      const cache_t* __restrict r[K];
+      for (int k = 0; k < K; ++k) r[k] = keys + at[k0 + k];
+      for (int k = 0; k < K; ++k)
+        for (int g = 0; g < GH; ++g) d[k][g] = vfloat{};  // + 0 (not -0): kept, so each FMA's addend is the chain's
+#pragma GCC unroll 32
       for (int v = 0; v < V; ++v) {
         vfloat kv[K];
-        for (int k = 0; k < K; ++k) kv[k] = k < kn ? wide(keys + offsets[j0 + k0 + k], v) : vfloat{};
+        for (int k = 0; k < K; ++k) kv[k] = wide(r[k], v);
         for (int g = 0; g < GH; ++g) {
-          const vfloat x = load(qs + (h0 + g) * D + v * kLanes);
-          for (int k = 0; k < K; ++k) d[k][g] = v == 0 ? x * kv[k] : d[k][g] + x * kv[k];
+          const vfloat x = load(qh + g * D + v * kLanes);
+          for (int k = 0; k < K; ++k) d[k][g] += x * kv[k];
         }
       }
-      float* __restrict out = scores + h0 * ctx + j0 + k0;  // head h0 + g's key k0 + k: out[g * ctx + k]
-      if constexpr (kHeads * K == kSumVectors) {
-        if (kn == K) {  // all their sums at once: lane g K + k
-          vfloat t[kSumVectors];
-          for (int i = 0; i < kSumVectors; ++i) t[i] = i / K < GH ? d[i % K][i / K] : vfloat{};
-          alignas(64) float lanes[kLanes];
-          store(lanes, sums(t));
-          for (int g = 0; g < GH; ++g)
-            for (int k = 0; k < K; ++k) out[g * ctx + k] = lanes[g * K + k];
-          continue;
-        }
+    };
+    constexpr int K = kKeysAtOnce;
+    int64_t k0 = 0;
+    for (; k0 + K <= m; k0 += K) {
+      vfloat d[K][GH];
+      dots(std::integral_constant<int, K>{}, k0, d);
+      if constexpr (kHeads * K == kSumVectors) {  // all their sums at once: lane g K + k
+        vfloat t[kSumVectors];
+        for (int i = 0; i < kSumVectors; ++i) t[i] = i / K < GH ? d[i % K][i / K] : vfloat{};
+        alignas(64) float lanes[kLanes];
+        store(lanes, sums(t));
+        for (int g = 0; g < GH; ++g)
+          for (int k = 0; k < K; ++k) out[g * ctx + k0 + k] = lanes[g * K + k];
+      } else {
+        for (int g = 0; g < GH; ++g)
+          for (int k = 0; k < K; ++k) out[g * ctx + k0 + k] = sum(d[k][g]);
       }
-      for (int g = 0; g < GH; ++g)
-        for (int k = 0; k < kn; ++k) out[g * ctx + k] = sum(d[k][g]);
+    }
+    for (; k0 < m; ++k0) {  // the last keys of the sequence, one by one
+      vfloat d[1][GH];
+      dots(std::integral_constant<int, 1>{}, k0, d);
+      for (int g = 0; g < GH; ++g) out[g * ctx + k0] = sum(d[0][g]);
     }
   });
   for (int64_t h = kv0 * G; h < kv1 * G; ++h) {
@@ -215,20 +235,25 @@ void attend_token(const scalar_t* __restrict q, const cache_t* __restrict k_cach
   each_pass(v_cache, [&](auto heads, const cache_t* __restrict values, int64_t h0, int64_t j0, int64_t left) {
     constexpr int GH = decltype(heads)::value;
     const int64_t m = std::min<int64_t>(16, left);
+    const float* __restrict p[GH];  // the heads' probabilities of the 16 values
+    for (int g = 0; g < GH; ++g) p[g] = scores + (h0 + g) * ctx + j0;
+    const cache_t* __restrict rows[16];
+    for (int64_t i = 0; i < m; ++i) rows[i] = values + offsets[j0 + i];
+    float* __restrict a_h = acc + h0 * D;
     for (int c0 = 0; c0 < V; c0 += CV) {
       vfloat a[GH][CV];
       for (int g = 0; g < GH; ++g)
-        for (int c = 0; c < CV; ++c) a[g][c] = load(acc + (h0 + g) * D + (c0 + c) * kLanes);
-      for (int64_t i = j0; i < j0 + m; ++i) {
+        for (int c = 0; c < CV; ++c) a[g][c] = load(a_h + g * D + (c0 + c) * kLanes);
+      for (int64_t i = 0; i < m; ++i) {
         vfloat x[CV];
-        for (int c = 0; c < CV; ++c) x[c] = wide(values + offsets[i], c0 + c);
+        for (int c = 0; c < CV; ++c) x[c] = wide(rows[i], c0 + c);
         for (int g = 0; g < GH; ++g) {
-          const float p = scores[(h0 + g) * ctx + i];
-          for (int c = 0; c < CV; ++c) a[g][c] += p * x[c];
+          const float pg = p[g][i];
+          for (int c = 0; c < CV; ++c) a[g][c] += pg * x[c];
         }
       }
       for (int g = 0; g < GH; ++g)
-        for (int c = 0; c < CV; ++c) store(acc + (h0 + g) * D + (c0 + c) * kLanes, a[g][c]);
+        for (int c = 0; c < CV; ++c) store(a_h + g * D + (c0 + c) * kLanes, a[g][c]);
     }
   });
   for (int64_t h = kv0 * G; h < kv1 * G; ++h)
