@@ -119,11 +119,12 @@ void stream(const cache_t* __restrict cache, const int64_t* __restrict offsets, 
 // Qwen3-4B's heads (G 4, head_dim 128, float16 cache) 8 sequences of 1,040 keys took 1.22-1.38x this one's time, one
 // 1.17x, 16 of 300 1.22x; other heads (G 3 and 7, head_dim 64 and 256) 1.14-1.35x; int8 1.15x, float32 1.06-1.21x,
 // bfloat16 the same as its AVX512-BF16 pair dots; the AVX2 build 1.03-1.08x (AMD EPYC Zen 4, 36 layers' caches cold,
-// old and new builds alternating in one process). On AVX2, q.k's accumulators start at zero and its loop over a key's
-// vectors is unrolled, the full groups of kKeysAtOnce keys apart from the last keys, and p.v takes its value rows' and
+// old and new builds alternating in one process). q.k's accumulators start at zero and its loop over a key's vectors
+// is unrolled, the full groups of kKeysAtOnce keys apart from the last keys, and p.v takes its value rows' and
 // probabilities' pointers once per 16 keys: before, GCC kept q.k's accumulators on the stack in a loop that tested each
-// key's presence, and p.v reloaded its pointers for every value; the 1B's and 4B's heads at 1,040 keys (float16 cache)
-// took 1.16-1.25x this one's time (AMD EPYC Zen 3, 2 threads, cold and warm, one sequence and eight).
+// key's presence, and p.v reloaded its pointers for every value. In the AVX2 build the 1B's and 4B's heads at 1,040
+// keys (float16 cache) took 1.16-1.25x this one's time (AMD EPYC Zen 3, 2 threads, cold and warm, one sequence and
+// eight); the AVX-512 build has not been timed since.
 // Key j's row (every KV head of one position) starts at element offsets[j] of the cache: the block table is read once
 // per token. The rows come from memory first, kSegmentBytes of keys (then of values) at a time, by `stream`, and the
 // heads then compute over the segment from L2: reading while computing (each group's first head fetching its rows as it
@@ -190,8 +191,10 @@ void attend_token(const scalar_t* __restrict q, const cache_t* __restrict k_cach
       constexpr int K = decltype(keys_at_once)::value;
       const cache_t* __restrict r[K];
       for (int k = 0; k < K; ++k) r[k] = keys + at[k0 + k];
+      // +0, which GCC may not fold away (-0 + 0 is +0), so every product enters the chain by one FMA in every build
+      // (started from the first product, GCC fused it with the second on the float32 path and the bits moved)
       for (int k = 0; k < K; ++k)
-        for (int g = 0; g < GH; ++g) d[k][g] = vfloat{};  // + 0 (not -0): kept, so each FMA's addend is the chain's
+        for (int g = 0; g < GH; ++g) d[k][g] = vfloat{};
 #pragma GCC unroll 32
       for (int v = 0; v < V; ++v) {
         vfloat kv[K];
