@@ -113,6 +113,21 @@ def _recovery(launched: Launched, fault_at: float) -> tuple[float, float]:
     raise AssertionError(f"not serving {RECOVERY_S:.0f} s after the fault (not ready after {not_ready} s)")
 
 
+def _log_path(launched: Launched) -> Path:
+    return Path(re.search(r"log in (\S+)\. Try", "".join(launched.output)).group(1))
+
+
+def _logged_within(launched: Launched, texts: tuple[str, ...], timeout: float) -> None:
+    """Wait until the server log holds every one of `texts`; else fail with its end and the launcher's."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = _log_path(launched).read_text(errors="replace")
+        if all(text in log for text in texts):
+            return
+        assert time.monotonic() < deadline, f"log:\n{log[-4000:]}\nlauncher:\n{''.join(launched.output)[-3000:]}"
+        time.sleep(0.1)
+
+
 def _printed_until(launched: Launched, text: str, timeout: float = 120.0) -> str:
     deadline = time.monotonic() + timeout
     while not any(text in line for line in launched.output):
@@ -137,8 +152,7 @@ def test_a_crashed_llm_stub_is_reported_with_its_stacks_and_the_server_restarted
     # holding a lock it shares with it (SIGABRT, the python backend's own abort; seen once in four runs)
     assert f"the python backend stub of llm_0_0 (pid {stub}) died: killed tritonserver" in output or \
         "tritonserver exited with -6" in output, output
-    log = Path(re.search(r"log in (\S+)\. Try", output).group(1)).read_text(errors="replace")
-    assert "Fatal Python error: Segmentation fault" in log and "backend/serving/engine_thread.py" in log
+    _logged_within(launched, ("Fatal Python error: Segmentation fault", "backend/serving/engine_thread.py"), 10)
 
 
 def test_a_frozen_engine_is_reported_and_the_server_restarted(launched: Launched) -> None:
@@ -154,15 +168,22 @@ def test_sigusr1_writes_a_live_stubs_stacks_to_the_log_and_it_serves_on(launched
     """What the supervisor sends every stub before it kills a server whose engine is wedged, and what an operator
     can send by hand (faulthandler, backend/triton/glue.py)."""
     stub = launched.llm_stub()
-    log = Path(re.search(r"log in (\S+)\. Try", "".join(launched.output)).group(1))
     os.kill(stub, signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while "backend/serving/engine_thread.py" not in log.read_text(errors="replace"):
-        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-        time.sleep(0.1)
+    _logged_within(launched, ("backend/serving/engine_thread.py",), 10)
     with LLMClient(f"127.0.0.1:{launched.grpc}") as client:
         assert client.generate("Hello there", max_tokens=4).text
     assert launched.llm_stub() == stub and launched.ready()
+
+
+def test_a_stopped_server_ends_its_stubs_without_a_crash(launched: Launched) -> None:
+    """Ctrl-C after a request: every model unloads and no stub dies of a signal on the way out (the llm's had
+    segfaulted at every stop, its metric families collected at the interpreter's exit)."""
+    with LLMClient(f"127.0.0.1:{launched.grpc}") as client:
+        assert client.generate("Hello there", max_tokens=4).text
+    launched.proc.send_signal(signal.SIGINT)
+    assert launched.proc.wait(60) == 0
+    log = _log_path(launched).read_text(errors="replace")
+    assert log.count("successfully unloaded") == len(SERVED_MODELS) and "Fatal Python error" not in log, log[-5000:]
 
 
 def test_a_frozen_tritonserver_is_reported_by_its_stream_door_and_restarted(launched: Launched) -> None:

@@ -177,7 +177,6 @@ class TritonServer:
     admin_key: str | None = field(default_factory=admin_key_from_env, repr=False)
     shm_prefix: str = field(init=False)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
-    _log: IO[bytes] | None = field(default=None, init=False, repr=False)
     _pump: threading.Thread | None = field(default=None, init=False, repr=False)
     _started_at: float = field(default=0.0, init=False, repr=False)
     _own_workdir: bool = field(default=False, init=False, repr=False)
@@ -225,22 +224,25 @@ class TritonServer:
                f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={self.exit_timeout_s}",
                *(f"--backend-config=python,{key}={value}" for key, value in python_config.items()),
                *self.extra_args]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop(); a restart appends
         self._started_at = time.monotonic()
         # Own session: a terminal's Ctrl-C reaches only us, and stop() can kill the stubs with the server.
         self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       start_new_session=True)
-        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the pump closes it; a restart appends
+        self._pump = threading.Thread(target=self._copy_output, args=(self._proc.stdout, log), daemon=True)
         self._pump.start()
 
-    def _copy_output(self) -> None:
-        assert self._proc and self._proc.stdout and self._log
-        for line in self._proc.stdout:
-            self._log.write(line)
-            self._log.flush()
-            if self.echo:
-                sys.stdout.write(line.decode(errors="replace"))
-                sys.stdout.flush()
+    def _copy_output(self, output: IO[bytes], log: IO[bytes]) -> None:
+        """The server's and its stubs' output, to the log until the last of them exits. The file is this thread's
+        alone: stop() gives it 5 s, and a restart opens the log anew, so a slow copy of a dead server's last lines
+        (a crashed stub's stacks) still lands instead of meeting a closed file."""
+        with log:
+            for line in output:
+                log.write(line)
+                log.flush()
+                if self.echo:
+                    sys.stdout.write(line.decode(errors="replace"))
+                    sys.stdout.flush()
 
     def log_tail(self, lines: int = 40) -> str:
         assert self.log_path
@@ -302,8 +304,6 @@ class TritonServer:
         self._proc.wait()
         if self._pump:
             self._pump.join(timeout=5)
-        if self._log:
-            self._log.close()
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             region.unlink(missing_ok=True)
         if self._own_workdir and self.workdir:  # keep only the log

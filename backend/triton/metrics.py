@@ -1,7 +1,8 @@
 """Prometheus metrics through Triton's python-backend custom-metrics API (served on the metrics port).
 
 The MetricFamily objects are kept for the model's lifetime: once a family is garbage collected,
-`Metric.set()` raises (seen in Triton 2.51), which would kill the engine loop.
+`Metric.set()` raises (seen in Triton 2.51), which would kill the engine loop. They must be gone before the stub
+exits, though (the llm's finalize drops them): collected at the interpreter's exit, they segfault it.
 
 The metrics are updated from one thread only, the engine loop's output thread (every `LoopObserver` hook
 runs there). python_backend 24.10's `Metric` writes each update into shared memory it swaps in per call, with

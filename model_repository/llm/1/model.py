@@ -2,6 +2,7 @@
 default front door; no BLS, no ensemble). The logic lives in backend/serving (engine thread, request parsing)
 and backend/triton (config, responses, metrics)."""
 
+import gc
 import json
 
 import triton_python_backend_utils as pb_utils
@@ -71,4 +72,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.shutdown()
+        # The metric families go while the stub still talks to the server: each one's destructor is a message to
+        # it, and left to the interpreter's exit they segfaulted the stub at every stop (Triton 2.51).
+        del self.loop, self.engine, self.metrics
+        gc.collect()
 
