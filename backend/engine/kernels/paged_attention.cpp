@@ -124,7 +124,8 @@ void stream(const cache_t* __restrict cache, const int64_t* __restrict offsets, 
 // probabilities' pointers once per 16 keys: before, GCC kept q.k's accumulators on the stack in a loop that tested each
 // key's presence, and p.v reloaded its pointers for every value. In the AVX2 build the 1B's and 4B's heads at 1,040
 // keys (float16 cache) took 1.16-1.25x this one's time (AMD EPYC Zen 3, 2 threads, cold and warm, one sequence and
-// eight); the AVX-512 build has not been timed since.
+// eight); in the AVX-512 build 0.95-1.01x for one sequence and 0.93-0.98x for eight, inside that VM's noise (AMD EPYC
+// Zen 4, 2026-12-07: the best of 5-6 processes a build, while pairs of processes differed by 0.5-1.9x).
 // Key j's row (every KV head of one position) starts at element offsets[j] of the cache: the block table is read once
 // per token. The rows come from memory first, kSegmentBytes of keys (then of values) at a time, by `stream`, and the
 // heads then compute over the segment from L2: reading while computing (each group's first head fetching its rows as it
