@@ -7,7 +7,8 @@ threads take their items from shares that a thread done with its own takes from 
 quantize their activations into memory the calling thread keeps (scratch.h); a mixture-of-experts layer's experts
 run in one int8 GEMM call (expert_groups.h), its tokens grouped by expert and their outputs summed in one call
 each (expert_routing.cpp); a K-quant's scales are read as stored (block_scales.h); the weight GEMMs prefetch their
-next panel into L2 (prefetch.h).
+next panel into L2 (prefetch.h). A step's decoder layers run in one call from Python where their Linears all
+have our kernels (layer_program.cpp).
 
 They are built with the machine's own compiler for the machine's own CPU (-march=native: AVX-512 vectors
 where the CPU has them) into one shared library, `<cache>/<cpu>/llm_kernels-<key>.so` under `$LLM_KERNEL_CACHE` or
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused_ops.cpp", HERE / "f32_linear.cpp", HERE / "bf16_amx.cpp",
            HERE / "q8_linear.cpp", HERE / "q8_0_w8a8.cpp", HERE / "q4_1_w4a8.cpp", HERE / "argmax.cpp",
-           HERE / "expert_routing.cpp", HERE / "draw.cpp", HERE / "huge_pages.cpp")
+           HERE / "expert_routing.cpp", HERE / "draw.cpp", HERE / "huge_pages.cpp", HERE / "layer_program.cpp")
 HEADERS = (HERE / "cpu_math.h", HERE / "amx.h", HERE / "scratch.h", HERE / "work_queue.h", HERE / "expert_groups.h",
            HERE / "block_scales.h", HERE / "prefetch.h")
 REPO_ROOT = HERE.parents[2]

@@ -398,6 +398,7 @@ class PagedLlama(nn.Module):
         kernel: KernelLayout | TritonLayout | None = None,  # attend with a kernel, which writes the new K/V itself
         between_layers: Callable[[], None] | None = None,  # eager only: called after each layer but the last
         lora=None,  # eager only: a lora.LoraBatch, the tokens of sequences with a LoRA adapter
+        program=None,  # with a KernelLayout and no `lora`: the layers in C++ (runners/layer_program.py)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (logits [L, vocab] of the tokens at `logits_index`, new K/V [L, 2, T, KVH, D]); with
         `kernel` the new K/V are already in the cache, and None is returned for them. `between_layers` may run
@@ -415,18 +416,34 @@ class PagedLlama(nn.Module):
         h = ops.rms_norm(x, layers[0].input_layernorm)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         new_kv = []
-        for i, layer in enumerate(layers):
-            layer_kv = kv_cache[i]
-            cos, sin = ropes[layer.rope_kind]
-            x, h, k, v = layer(x, h, norms[i], cos, sin, layer_kv[0], layer_kv[1], rows, ops, lora, i)
-            if kernel is None:
-                new_kv.append(torch.stack((k, v)))
-            if between_layers is not None and i + 1 < len(layers):
-                between_layers()
+        if program is not None and lora is None:
+            h = _program_layers(program, x, h, ropes[FULL], rows, len(layers), between_layers)
+        else:
+            for i, layer in enumerate(layers):
+                layer_kv = kv_cache[i]
+                cos, sin = ropes[layer.rope_kind]
+                x, h, k, v = layer(x, h, norms[i], cos, sin, layer_kv[0], layer_kv[1], rows, ops, lora, i)
+                if kernel is None:
+                    new_kv.append(torch.stack((k, v)))
+                if between_layers is not None and i + 1 < len(layers):
+                    between_layers()
         logits = self.lm_head(h[logits_index]).float()
         if (cap := self.cfg.final_logit_softcapping) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits, torch.stack(new_kv) if new_kv else None
+
+
+def _program_layers(program, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    rows: KernelLayout, count: int, between_layers: Callable[[], None] | None) -> torch.Tensor:
+    """PagedLlama's layers by `program` (x changes in place): one call, or one a layer with `between_layers`."""
+    inputs = (*rope, rows.slot_mapping, rows.block_tables, rows.query_start, rows.context_lens, rows.prompt_lens)
+    if between_layers is None:
+        return program.run(x, h, *inputs, 0, count)
+    for i in range(count):
+        h = program.run(x, h, *inputs, i, i + 1)
+        if i + 1 < count:
+            between_layers()
+    return h
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -486,3 +486,22 @@ def _inputs_permuted(gemm: Gemm, index: torch.Tensor, x: torch.Tensor) -> torch.
 
 def _concatenated(gemms: list[Gemm], x: torch.Tensor) -> torch.Tensor:
     return torch.cat([gemm(x) for gemm in gemms], dim=-1)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """A float32 Linear's part as one call of our kernels: op(x, *tensors, *ints) (+ bias)."""
+    op: str  # the kernel's qualified name, llm_kernels::...
+    tensors: list[torch.Tensor]
+    ints: list[int]
+    bias: torch.Tensor | None
+
+
+def kernel_calls(gemm: Gemm) -> list[KernelCall] | None:
+    """A float32 Linear's gemm as the calls of our kernels that make it, its parts' outputs concatenated; None where
+    a part is another tactic (oneDNN, aten, an InputsPermuted weight's gather)."""
+    parts = gemm.args[0] if isinstance(gemm, functools.partial) and gemm.func is _concatenated else [gemm]
+    if not all(isinstance(part, FloatBias) and isinstance(part.gemm, PackedKernel) for part in parts):
+        return None
+    return [KernelCall(part.gemm.op._qualified_op_name, [*part.gemm.panels, *part.gemm.shared],
+                       [part.gemm.out_features], part.bias) for part in parts]

@@ -29,6 +29,7 @@ from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
 from backend.engine.runners.expert_gemm import stack_experts
 from backend.engine.runners.gemm import use_tactics
+from backend.engine.runners.layer_program import layer_program
 
 log = logging.getLogger(__name__)
 ATTENTION = ("auto", "kernel", "gather", "triton")
@@ -90,6 +91,7 @@ class TorchRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, torch_dtype(dtype), self.device, kv_cache_dtype)
         self.layer_kv = [(layer[0], layer[1]) for layer in self.kv_cache]  # views, made once (PagedLlama.forward)
+        self.program = layer_program(self.model, self.layer_kv) if self.attention == "kernel" else None
 
     @torch.inference_mode()
     def forward(self, batch: ModelInput, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -101,7 +103,7 @@ class TorchRunner:
             kernel = KernelLayout(tensor(batch.block_tables), tensor(batch.query_start), tensor(batch.context_lens),
                                   tensor(batch.slot_mapping), tensor(batch.prompt_lens))
             logits, _ = self.model(**inputs, kv_cache=self.layer_kv, kernel=kernel,  # writes K/V itself
-                                   between_layers=between_layers, lora=batch.lora)
+                                   between_layers=between_layers, lora=batch.lora, program=self.program)
         else:
             logits, new_kv = self.model(**inputs, kv_cache=self.kv_cache, between_layers=between_layers,
                                         lora=batch.lora)
