@@ -1,9 +1,10 @@
 """The decoder layers in one C++ call a step (runners/layer_program.py) compute what the Python loop computes, bit for
 bit: the workload of test_engine_correctness (chunked prefill in tiles, prefix-cache hits, decode) on each family the
 program serves (Llama; Qwen3's q/k norms and windows; Qwen2's qkv bias; Phi-3's partial rotary and fused checkpoint;
-Mistral's window) with int4 and int8 kernels: every token id and logprob equal to an engine without the program, and
-the serving loop's cut-in hook called between every two layers. Where a layer needs the Python loop (Gemma 3's
-sandwich norms, a float32 model on oneDNN / aten GEMMs, experts), no program is built."""
+Mistral's window; Gemma 3's sandwich norms, GeGLU and two ropes) on each of our GEMM kernels (int4; int8 with int8 or float activations; float32 panels): every token
+id and logprob equal to an engine without the program, and the serving loop's cut-in hook called between every two
+layers. Where a layer needs the Python loop (a float32 model on oneDNN / aten GEMMs, experts, sinks), no program is
+built."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from tests.test_engine_correctness import workload
 from tests.test_model_families import FAMILIES, save_random
 from tests.tiny_model import make_tiny_llama
 
-SERVED = ("llama", "qwen3", "qwen2", "phi3", "mistral")
-KERNELS = {"int4": "q4_1_w4a8", "int8": "q8_0_w8a8"}  # quantization -> the kernel forced
+SERVED = ("llama", "qwen3", "qwen2", "phi3", "mistral", "gemma3_text")
+KERNELS = [("int4", "q4_1_w4a8"), ("int8", "q8_0_w8a8"), ("int8", "q8_0"), ("none", "f32_panels")]  # forced
 
 
 @pytest.fixture(scope="module", params=SERVED)
@@ -50,9 +51,9 @@ def _run(engine: LLMEngine, between_layers=None) -> dict[str, tuple[list[int], l
     return out
 
 
-@pytest.mark.parametrize("quantization", list(KERNELS))
-def test_the_program_computes_the_python_loops_bits(model_dir, quantization):
-    engines = [_engine(model_dir, quantization, KERNELS[quantization]) for _ in range(2)]
+@pytest.mark.parametrize("quantization, kernel", KERNELS)
+def test_the_program_computes_the_python_loops_bits(model_dir, quantization, kernel):
+    engines = [_engine(model_dir, quantization, kernel) for _ in range(2)]
     assert engines[0].runner.program is not None
     engines[1].runner.program = None  # the Python loop
     cut_ins = []
@@ -64,9 +65,9 @@ def test_the_program_computes_the_python_loops_bits(model_dir, quantization):
 
 
 def test_no_program_where_a_layer_needs_the_python_loop(tmp_path):
-    gemma = save_random(tmp_path / "gemma", FAMILIES["gemma3_text"]())
-    assert _engine(gemma, "int4").runner.program is None  # sandwich norms, GeGLU, two ropes
     llama = make_tiny_llama(tmp_path / "llama")
     assert _engine(llama, "none", "aten").runner.program is None  # float32 on aten's GEMM
     moe = save_random(tmp_path / "moe", FAMILIES["qwen3_moe"]())
     assert _engine(moe, "int4").runner.program is None  # experts
+    gpt_oss = save_random(tmp_path / "gpt_oss", FAMILIES["gpt_oss"]())
+    assert _engine(gpt_oss, "int4").runner.program is None  # experts, sinks

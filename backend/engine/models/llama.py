@@ -417,7 +417,7 @@ class PagedLlama(nn.Module):
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         new_kv = []
         if program is not None and lora is None:
-            h = _program_layers(program, x, h, ropes[FULL], rows, len(layers), between_layers)
+            h = _program_layers(program, x, h, ropes, rows, len(layers), between_layers)
         else:
             for i, layer in enumerate(layers):
                 layer_kv = kv_cache[i]
@@ -433,10 +433,11 @@ class PagedLlama(nn.Module):
         return logits, torch.stack(new_kv) if new_kv else None
 
 
-def _program_layers(program, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+def _program_layers(program, x: torch.Tensor, h: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
                     rows: KernelLayout, count: int, between_layers: Callable[[], None] | None) -> torch.Tensor:
     """PagedLlama's layers by `program` (x changes in place): one call, or one a layer with `between_layers`."""
-    inputs = (*rope, rows.slot_mapping, rows.block_tables, rows.query_start, rows.context_lens, rows.prompt_lens)
+    inputs = (*ropes[FULL], *ropes.get(SLIDING, (None, None)), rows.slot_mapping, rows.block_tables, rows.query_start,
+              rows.context_lens, rows.prompt_lens)
     if between_layers is None:
         return program.run(x, h, *inputs, 0, count)
     for i in range(count):

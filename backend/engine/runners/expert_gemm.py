@@ -41,7 +41,7 @@ class ExpertsGemm:
 def _stacked(linears: list[Linear]) -> ExpertsGemm | None:
     """The experts' Linears as one ExpertsGemm, or None where a tactic has no experts kernel."""
     kernels = [linear.gemm.gemm if isinstance(linear.gemm, FloatBias) else None for linear in linears]
-    if not all(isinstance(k, PackedKernel) for k in kernels):
+    if not all(isinstance(k, PackedKernel) and k.experts_op is not None for k in kernels):
         return None
     first = kernels[0]
     if any(k.experts_op is not first.experts_op or k.out_features != first.out_features or

@@ -147,11 +147,11 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackedKernel:
-    """One of our int8 GEMM kernels with its packed weight: `op(x, *panels, *shared, out_features)`. `panels` are
-    per 16 output channels along dim 0 (so the experts of a mixture-of-experts layer stack into one: runners/
-    expert_gemm.py, `experts_op`), `shared` the same for every expert (a 4-bit index table)."""
+    """One of our GEMM kernels with its packed weight: `op(x, *panels, *shared, out_features)`. `panels` are per 16
+    output channels along dim 0 (so the experts of a mixture-of-experts layer stack into one where the kernel has an
+    `experts_op`: runners/expert_gemm.py), `shared` the same for every expert (a 4-bit index table)."""
     op: Callable[..., torch.Tensor]
-    experts_op: Callable[..., torch.Tensor]
+    experts_op: Callable[..., torch.Tensor] | None
     panels: tuple[torch.Tensor, ...]
     shared: tuple[torch.Tensor, ...]
     out_features: int
@@ -160,7 +160,7 @@ class PackedKernel:
         return self.op(x, *self.panels, *self.shared, self.out_features)
 
     @classmethod
-    def of(cls, op: Callable[..., torch.Tensor], experts_op: Callable[..., torch.Tensor],
+    def of(cls, op: Callable[..., torch.Tensor], experts_op: Callable[..., torch.Tensor] | None,
            panels: tuple[torch.Tensor, ...], shared: tuple[torch.Tensor, ...], out_features: int) -> PackedKernel:
         """With its panels in huge pages."""
         return cls(op, experts_op, tuple(map(in_huge_pages, panels)), shared, out_features)
@@ -170,9 +170,8 @@ def _f32_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    packed = in_huge_pages(torch.ops.llm_kernels.f32_pack(weight.float()))
-    rows = weight.shape[0]  # not `weight`: the module frees it
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.f32_linear(x, packed, rows))
+    packed = torch.ops.llm_kernels.f32_pack(weight.float())
+    return _float_bias(bias, PackedKernel.of(torch.ops.llm_kernels.f32_linear, None, (packed,), (), weight.shape[0]))
 
 
 def _bf16_amx(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
@@ -189,9 +188,9 @@ def _q8_0(weight: torch.Tensor | Q8Blocks, bias: torch.Tensor | None) -> Gemm:
 
     cpu_kernels.load()
     blocks = weight if isinstance(weight, Q8Blocks) else q8_0(weight)
-    packed, scales = map(in_huge_pages, torch.ops.llm_kernels.q8_0_pack(blocks.q, blocks.scale))
-    n, mins = blocks.q.shape[0], _panel_major(blocks.m)
-    return _float_bias(bias, lambda x: torch.ops.llm_kernels.q8_0_linear(x, packed, scales, mins, n))
+    packed, scales = torch.ops.llm_kernels.q8_0_pack(blocks.q, blocks.scale)
+    return _float_bias(bias, PackedKernel.of(torch.ops.llm_kernels.q8_0_linear, None,
+                                             (packed, scales, _panel_major(blocks.m)), (), blocks.q.shape[0]))
 
 
 def _aten_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:

@@ -8,16 +8,16 @@ program; SmolLM2 (30 layers, Q4_1) at batch 1 in 8.25 ms and 6.42 (1.29x), a Lla
 each layer's packed weights, norms and KV cache, and calls the same kernels with the same arguments: the same bits
 (tests/test_layer_program.py).
 
-It is built where every layer is the plain decoder the kernel path runs (float32 activations, SiLU, one rope, no
-experts, no sandwich norms, no sinks) and every Linear runs on our kernels (runners/gemm.py kernel_calls); elsewhere,
-and for a step with LoRA adapters, the model runs its Python loop.
+It is built where the model's activations are float32, its layers have no experts and no attention sinks, their MLP
+is SiLU's or Gemma's GeGLU, and every Linear runs on our kernels (runners/gemm.py kernel_calls); elsewhere, and for a
+step with LoRA adapters, the model runs its Python loop.
 """
 
 from __future__ import annotations
 
 import torch
 
-from backend.engine.models.config import FULL
+from backend.engine.models.config import SLIDING
 from backend.engine.models.llama import PROJECTIONS, PagedLlama
 from backend.engine.runners.gemm import kernel_calls
 
@@ -25,8 +25,8 @@ from backend.engine.runners.gemm import kernel_calls
 def layer_program(model: PagedLlama, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.ScriptObject | None:
     """The program of `model`'s layers over their caches `layer_kv`, or None where a layer needs the Python loop."""
     cfg, layers = model.cfg, list(model.layers)
-    if (model.norm.weight.dtype != torch.float32 or cfg.activation != "silu" or cfg.sandwich_norms
-            or cfg.attention_sinks or any(layer.moe is not None or layer.rope_kind != FULL for layer in layers)):
+    if (model.norm.weight.dtype != torch.float32 or cfg.activation not in ("silu", "gelu_tanh") or cfg.attention_sinks
+            or any(layer.moe is not None for layer in layers)):
         return None
     calls = [[kernel_calls(getattr(layer, name).gemm) for name in PROJECTIONS] for layer in layers]
     if any(c is None for layer_calls in calls for c in layer_calls):
@@ -35,8 +35,10 @@ def layer_program(model: PagedLlama, layer_kv: list[tuple[torch.Tensor, torch.Te
     next_norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
     for layer, (k_cache, v_cache), next_norm, layer_calls in zip(layers, layer_kv, next_norms, calls):
         program.add_layer(k_cache, v_cache, layer.post_attention_layernorm.weight, next_norm.weight,
-                          layer.q_norm.weight if cfg.qk_norm else None, layer.k_norm.weight if cfg.qk_norm else None,
-                          layer.window)
+                          *((layer.q_norm.weight, layer.k_norm.weight) if cfg.qk_norm else (None, None)),
+                          *((layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+                            if cfg.sandwich_norms else (None, None)),
+                          layer.window, cfg.activation == "gelu_tanh", layer.rope_kind == SLIDING)
         for which, parts in enumerate(layer_calls):
             for part in parts:
                 program.add_kernel_call(which, part.op, part.tensors, part.ints, part.bias)
