@@ -1,7 +1,8 @@
-// A step's decoder layers in one call from Python (models/layer_program.py): each layer's GEMMs (our kernels, each with
-// its packed weight, as its tactic chose: runners/gemm.py), attend_qkv, add_rms_norm and silu_mul, called here through
-// the dispatcher with the same arguments the Python loop (models/llama.py, DecoderLayer.forward on KernelOps) passes
-// them: the same kernels on the same tensors, the same bits. From Python each of a layer's eight calls cost 4-8 us of
+// A step's decoder layers in one call from Python (runners/layer_program.py): each layer's GEMMs (our kernels, each
+// with its packed weight, as its tactic chose: runners/gemm.py), attend_qkv, its norms (add_rms_norm, and Gemma's
+// rms_norm) and its activation (silu_mul, or Gemma's GeGLU in ATen's ops), called here through the dispatcher with the
+// same arguments the Python loop (models/llama.py, DecoderLayer.forward on KernelOps) passes them: the same kernels on
+// the same tensors, the same bits. From Python each of a layer's eight calls cost 4-8 us of
 // argument parsing and frames, ~150 us a layer with the layer's own Python (AMD EPYC Zen 3, 2026-12-07); from here a
 // boxed call through the dispatcher costs under a microsecond.
 #include <ATen/ATen.h>
