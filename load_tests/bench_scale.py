@@ -95,13 +95,16 @@ def _seconds(call) -> float:
 
 
 def _tensors(obj, seen: dict[int, int]) -> None:
-    """The bytes of every tensor a GEMM tactic holds (its packed weight, scales), by storage: in its dataclasses,
-    partials and closures (a tactic's `prepare` may return a lambda over its packed tensors)."""
+    """The bytes of every tensor a GEMM tactic holds (its packed weight, scales), by storage (oneDNN's opaque packed
+    weight by object): in its dataclasses, partials and closures (a tactic's `prepare` may return a lambda over its
+    packed tensors)."""
     import functools
 
     import torch
 
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and obj.is_mkldnn:  # oneDNN's prepacked weight: an opaque tensor, no storage
+        seen[id(obj)] = obj.numel() * obj.element_size()
+    elif isinstance(obj, torch.Tensor):
         seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
     elif isinstance(obj, functools.partial):
         for part in (*obj.args, *obj.keywords.values()):

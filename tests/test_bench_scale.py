@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from backend.engine.models.config import load_model_config
+from backend.engine.runners import gemm
 from load_tests import bench_scale
 from tests.test_gguf import Q4_K_M, write_gguf
 from tests.tiny_model import make_tiny_llama
@@ -29,6 +32,16 @@ def test_the_engine_side_times_decode_steps_of_the_whole_batch(tmp_path: Path):
     [half] = bench_scale.engine_points(folder, [(3, 40)], steps=4, threads=2, kv_cache_dtype="float16")
     cfg = load_model_config(folder)
     assert point.step_bytes - half.step_bytes == 3 * 42 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def test_every_gemm_tactics_held_bytes_are_counted():
+    """Which tactic a Linear gets is timed on the machine: the bytes must count whichever it is (CI once drew oneDNN,
+    whose prepacked weight is an opaque tensor without storage)."""
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    for name in ("aten", "onednn"):
+        seen: dict[int, int] = {}
+        bench_scale._tensors(gemm.TACTICS[name].prepare(weight, bias), seen)
+        assert sum(seen.values()) == (96 * 64 + 96) * 4, name
 
 
 def test_rounds_combine_to_medians_and_ratios_taken_within_a_round():
