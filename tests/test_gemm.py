@@ -76,17 +76,23 @@ def test_each_tactic_forced_matches_hf_within_tolerance(tiny_model_dir, hf_refer
                                    (301, 200, 600)])
 def test_f32_panels_is_a_float32_linear_at_every_row_and_panel_count(m, n, k):
     """Rows past whole microkernels (6), a last panel narrower than the others, any in_features, an x of more than
-    512 KB (taken in parts of rows, the last one ending in a partial microkernel); with a bias and a
-    bfloat16 model (float32 math on a float32 copy, rounded once), through the tactic as the runner prepares it."""
+    512 KB (taken in parts of rows, the last one ending in a partial microkernel); with a bias and a bfloat16 or
+    float16 model (its weight kept in its 16 bits and widened as loaded: the same float32 sums as from a float32 copy,
+    rounded once), through the tactic as the runner prepares it."""
     torch.manual_seed(m * n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
     exact = (x.double() @ w.double().T + b.double()).float()
     got = gemm.TACTICS["f32_panels"].prepare(w, b)(x)
     assert got.shape == (m, n) and torch.allclose(got, exact, rtol=1e-5, atol=1e-4 * k ** 0.5)
-    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
-    narrow = gemm.TACTICS["f32_panels"].prepare(wb, bb)(xb)
-    assert narrow.dtype == torch.bfloat16  # float32's result rounded once: within half a bfloat16 step of it
-    assert torch.allclose(narrow.float(), F.linear(xb.float(), wb.float(), bb.float()), rtol=2 ** -8, atol=1e-4 * k ** 0.5)
+    for dtype in (torch.bfloat16, torch.float16):
+        xb, wb, bb = x.to(dtype), w.to(dtype), b.to(dtype)
+        tactic = gemm.TACTICS["f32_panels"].prepare(wb, bb)
+        assert [t.dtype for t in tactic.gemm.panels] == [dtype]  # half the bytes of a float32 copy, read and held
+        narrow = tactic(xb)
+        assert narrow.dtype == dtype and torch.equal(  # float32's result rounded once
+            narrow, (gemm.TACTICS["f32_panels"].prepare(wb.float(), bb.float())(xb.float())).to(dtype))
+        assert torch.allclose(narrow.float(), F.linear(xb.float(), wb.float(), bb.float()), rtol=2 ** -8,
+                              atol=1e-4 * k ** 0.5)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 100, 96), (16, 64, 64), (17, 20, 7), (48, 960, 576),
