@@ -9,8 +9,10 @@ Tolerances on the last-token logits of every prompt (max |difference| per prompt
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
@@ -93,6 +96,22 @@ def test_f32_panels_is_a_float32_linear_at_every_row_and_panel_count(m, n, k):
             narrow, (gemm.TACTICS["f32_panels"].prepare(wb.float(), bb.float())(xb.float())).to(dtype))
         assert torch.allclose(narrow.float(), F.linear(xb.float(), wb.float(), bb.float()), rtol=2 ** -8,
                               atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_stored_in_its_dtype_keeps_no_mapping_of_its_files(tiny_model_dir, tmp_path, dtype):
+    """Files in the model's own dtype load as tensors on their mappings. The f32_panels tactic packs every Linear's
+    weight (and drops it); the embedding and norms are copies: no page of the files stays mapped (a bfloat16 1B held
+    2.3 GB of them beside its packed weights)."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    for f in folder.glob("*.safetensors"):
+        save_file({k: v.to(dtype, copy=True) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    runner = TorchRunner(folder, str(dtype).removeprefix("torch."), 64, BLOCK_SIZE, gemm_backend="f32_panels")
+    assert set(runner.gemm_tactics.values()) == {"f32_panels"}
+    gc.collect()
+    assert str(folder) not in Path("/proc/self/maps").read_text()
+    assert engine_logits(runner).isfinite().all()
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 100, 96), (16, 64, 64), (17, 20, 7), (48, 960, 576),

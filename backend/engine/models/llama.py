@@ -538,7 +538,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         fused.update({k: 1.0 + v.float() for k, v in fused.items() if k.endswith("norm.weight")})
     with torch.device("meta"):
         model = PagedLlama(cfg, ropes)
-    model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=True, assign=True)
+    # A tensor already in `dtype` would alias its file's mapping and hold all of that file's pages (a bfloat16 1B:
+    # 2.3 GB of RSS beside the packed weights): all but the Linears' weights, which the GEMM tactics pack and drop, are
+    # copied out of it.
+    linears = {name + ".weight" for name in fused_linears(cfg)}
+    model.load_state_dict({k: v.to(dtype) if k in linears else v.to(dtype, copy=True) for k, v in fused.items()},
+                          strict=True, assign=True)
     model.rope_cos, model.rope_sin = ropes[FULL]
     if SLIDING in ropes:
         model.rope_cos_sliding, model.rope_sin_sliding = ropes[SLIDING]
