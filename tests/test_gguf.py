@@ -137,6 +137,18 @@ def test_a_q4_k_m_file_is_served_whole(tiny_q4_k_m):
     assert len(out) == 8 and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_a_stored_f16_tensor_keeps_its_16_bits_under_f32_panels(tiny_q4_k_m):
+    """In a float32 model, f32_panels serves the file's F16 o_proj as stored (half a float32 copy's bytes, read and
+    held), with the float32 copy's sums: its values widen exactly."""
+    runner = TorchRunner(tiny_q4_k_m, "float32", 64, 16, quantization="gguf", gemm_backend="f32_panels")
+    _, stored = load_gguf(tiny_q4_k_m, runner.model.cfg)
+    for i in range(2):
+        weight, gemm = stored[f"layers.{i}.o_proj"], runner.model.get_submodule(f"layers.{i}.o_proj").gemm
+        assert weight.dtype == torch.float16 and [t.dtype for t in gemm.gemm.panels] == [torch.float16]
+        x = torch.randn(7, weight.shape[1])
+        assert torch.equal(gemm(x), TACTICS["f32_panels"].prepare(weight.float(), None)(x))
+
+
 # mixtures of experts as llama.cpp's converter writes them (every layer sparse, as its qwen3moe reads): each projection
 # of a layer's experts one 3-D tensor, the router float32
 MOE = {"qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=128, num_hidden_layers=2, num_experts=8,

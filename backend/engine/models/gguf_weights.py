@@ -10,9 +10,10 @@ architecture is refused by name. A mixture of experts' layer holds each projecti
 (`ffn_gate_exps`: [experts, rows, cols], as the converter stacks them); each expert's slice is served as stored like
 any Linear, and the router (`ffn_gate_inp`, F32 in llama.cpp's files) as floats.
 
-Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS and MXFP4 tensors stay in their blocks; any
-other type gguf-py decodes (IQ2_XS, F16, BF16, ...) is read as its dequantized float32 values, as llama.cpp's reference
-dequantizers compute them, and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not
+Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS and MXFP4 tensors stay in their blocks; F16
+and BF16 tensors stay in their 16 bits (a float tactic serves or widens them); any other type gguf-py decodes (IQ2_XS,
+IQ3_S, ...) is read as its dequantized float32 values, as llama.cpp's reference dequantizers compute them, and served by
+the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not
 whole 256-value blocks, with Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole as blocks, and so
 are the other K-quant files (Q5_K_M, Q3_K_M, Q2_K); a fused q/k/v whose v is Q6_K beside Q4_K q/k is served in two
 parts (`Stacked`).
@@ -109,6 +110,11 @@ class GgufFile:
         cols, rows = int(t.shape[0]), int(t.shape[1])
         if t.tensor_type.name in STORED:
             return from_gguf(t.tensor_type.name, data, rows, cols)
+        if t.tensor_type.name == "F16":  # its 16 bits, which a tactic widens exactly (runners/gemm.py)
+            return torch.from_numpy(np.array(data, dtype=np.float16).reshape(rows, cols))
+        if t.tensor_type.name == "BF16":
+            return torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(rows, cols).copy()).view(
+                torch.bfloat16)
         return self.floats(name)
 
     def unpermute(self, weight, gguf_name: str):

@@ -1,7 +1,8 @@
 """Quantized Linear weights in llama.cpp's block forms, as the int8/int4 GEMM tactics read them (runners/gemm.py):
 rounded at load from a float weight (`quantization: int8 | int4`), or decoded from a GGUF file's own blocks without
-a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type (IQ2_XS, IQ3_S, F16, ...)
-is a float32 tensor of its dequantized values (`Weight`), served by the float tactics.
+a float copy (`quantization: gguf`, models/gguf_weights.py). A GGUF tensor of another type is a float tensor
+(`Weight`): F16 / BF16 as stored, the others (IQ2_XS, IQ3_S, ...) float32 of their dequantized values, served by the
+float tactics.
 
 - `Q8Blocks` (GGUF Q8_0): w ~ q * scale, q int8, one scale per 32 weights along a row. Q5_0 (w ~ d (q - 16), q in
   0..31) is q - 16 on scale d: exact, so a Q4_K_M file of a model whose rows are not whole 256-value blocks (llama.cpp
@@ -123,14 +124,14 @@ class InputsPermuted:
         return torch.empty_like(w).index_copy_(1, self.index, w)
 
 
-Weight = Blocks | InputsPermuted | torch.Tensor | Stacked  # a float32 tensor: a GGUF type read as its dequantized values
+Weight = Blocks | InputsPermuted | torch.Tensor | Stacked  # a tensor: F16 / BF16 as stored, other types dequantized
 STORED = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # ggml's kvalues_mxfp4
 
 
 def as_float(weight: Weight) -> torch.Tensor:
-    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+    return weight.float() if isinstance(weight, torch.Tensor) else weight.dequantize()
 
 
 def _blocks_of(weight: torch.Tensor, form: str) -> torch.Tensor:

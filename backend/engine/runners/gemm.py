@@ -137,6 +137,7 @@ def _float_bias(bias: torch.Tensor | None, gemm: Gemm) -> FloatBias:
     return FloatBias(gemm, None if bias is None else bias.float())
 
 
+NARROW = (torch.bfloat16, torch.float16)
 HUGE_PAGE = 2 << 20
 
 
@@ -171,8 +172,8 @@ def _f32_panels(weight: torch.Tensor, bias: torch.Tensor | None) -> Gemm:
     from backend.engine.kernels import cpu_kernels
 
     cpu_kernels.load()
-    narrow = weight.dtype in (torch.bfloat16, torch.float16)  # kept in its 16 bits: widened exactly as it is loaded
-    packed = torch.ops.llm_kernels.f32_pack(weight if narrow else weight.float())
+    # kept in its 16 bits: widened exactly as it is loaded
+    packed = torch.ops.llm_kernels.f32_pack(weight if weight.dtype in NARROW else weight.float())
     return _float_bias(bias, PackedKernel.of(torch.ops.llm_kernels.f32_linear, None, (packed,), (), weight.shape[0]))
 
 
@@ -289,13 +290,14 @@ class Tactic:
     name: str
     prepare: Callable[[torch.Tensor, torch.Tensor | None], Gemm]
     narrow_only: bool = False  # only for bfloat16 / float16 models
+    keeps_narrow: bool = False  # serves a bfloat16 / float16 weight in a float32 model as is (float32 math)
     quantization: str = "none"  # the weights' rounding: only tactics of the engine's `quantization` race
     reads: type | None = None  # the stored block form it serves as is (`quantization: gguf`)
     devices: tuple[str, ...] = ("cpu",)
 
 
 TACTICS = {t.name: t for t in (Tactic("aten", _aten, devices=("cpu", "cuda")), Tactic("onednn", _onednn),
-                               Tactic("f32_panels", _f32_panels), Tactic("bf16_amx", _bf16_amx, narrow_only=True),
+                               Tactic("f32_panels", _f32_panels, keeps_narrow=True), Tactic("bf16_amx", _bf16_amx, narrow_only=True),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
                                Tactic("q8_0", _q8_0, quantization="int8", reads=Q8Blocks),
@@ -473,8 +475,11 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
             prepare = TACTICS[chosen[name, i]].prepare
             if isinstance(weight, InputsPermuted):
                 gemms.append(functools.partial(_inputs_permuted, prepare(weight.blocks, bias), weight.index))
-            else:
-                gemms.append(prepare(weight.to(dtype) if isinstance(weight, torch.Tensor) else weight, bias))
+            elif isinstance(weight, torch.Tensor) and not (TACTICS[chosen[name, i]].keeps_narrow and dtype ==
+                                                           torch.float32 and weight.dtype in NARROW):
+                gemms.append(prepare(weight.to(dtype), bias))
+            else:  # blocks, or a stored F16 / BF16 tensor that the tactic widens exactly (half a float32 copy's bytes)
+                gemms.append(prepare(weight, bias))
         linear.gemm = gemms[0] if len(gemms) == 1 else functools.partial(_concatenated, gemms)
         if chosen[name, 0] != "aten" or stored is not None:
             linear.weight = linear.bias = None
