@@ -161,12 +161,12 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == K && packed.size(2) == kPanel &&
               panels * kPanel >= N, "f32_linear: weight packed by f32_pack for in_features ", K, " expected");
   auto y = at::empty({M, N}, x.options());
+  const float* px = x.data_ptr<float>();
+  float* py = y.data_ptr<float>();
   switch (packed.scalar_type()) {
-    case at::kFloat: linear(x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), M, K, N, panels); break;
-    case at::kBFloat16:
-      linear(x.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N, panels);
-      break;
-    case at::kHalf: linear(x.data_ptr<float>(), packed.data_ptr<at::Half>(), y.data_ptr<float>(), M, K, N, panels); break;
+    case at::kFloat: linear(px, packed.data_ptr<float>(), py, M, K, N, panels); break;
+    case at::kBFloat16: linear(px, packed.data_ptr<at::BFloat16>(), py, M, K, N, panels); break;
+    case at::kHalf: linear(px, packed.data_ptr<at::Half>(), py, M, K, N, panels); break;
     default: TORCH_CHECK(false, "f32_linear: packed float32, bfloat16 or float16 expected");
   }
   return y;

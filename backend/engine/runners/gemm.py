@@ -297,7 +297,8 @@ class Tactic:
 
 
 TACTICS = {t.name: t for t in (Tactic("aten", _aten, devices=("cpu", "cuda")), Tactic("onednn", _onednn),
-                               Tactic("f32_panels", _f32_panels, keeps_narrow=True), Tactic("bf16_amx", _bf16_amx, narrow_only=True),
+                               Tactic("f32_panels", _f32_panels, keeps_narrow=True),
+                               Tactic("bf16_amx", _bf16_amx, narrow_only=True),
                                Tactic("aten_f32", _in_f32(_aten), narrow_only=True),
                                Tactic("onednn_f32", _in_f32(_onednn), narrow_only=True),
                                Tactic("q8_0", _q8_0, quantization="int8", reads=Q8Blocks),
