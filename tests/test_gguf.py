@@ -24,6 +24,7 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from backend.engine import EngineConfig, LLMEngine
 from backend.engine.models.checkpoint_format import served_quantization
 from backend.engine.models.gguf_weights import gguf_file, load_gguf
+from backend.engine.models.llama import load_model
 from backend.engine.models.weight_blocks import MXFP4_VALUES, STORED, Q4Blocks, Q8Blocks, Stacked, as_float, from_gguf
 from backend.engine.runners import torch_runner
 from backend.engine.runners.gemm import TACTICS
@@ -81,6 +82,17 @@ def test_the_stored_blocks_are_the_dequantized_model_exactly(tiny_gguf):
     assert set(norms) == {n for n, _ in model.named_parameters()} - {f"{n}.weight" for n in stored}
     for name, weight in norms.items():
         assert torch.equal(weight, model.get_parameter(name)), name
+
+
+def test_the_stored_weights_stand_in_the_model_without_bytes(tiny_gguf):
+    """Before the tactics take them, the model's stored Linears and embedding are a zero expanded to their shape, never
+    materialized (a float32 copy of a 1B's embedding would be 1 GB at load), while its norms are copies of their own."""
+    cfg = TorchRunner(tiny_gguf, "float32", 16, 16, gemm_backend="aten").model.cfg
+    state, stored = load_gguf(tiny_gguf, cfg)
+    model = load_model(tiny_gguf, torch.float32, "cpu", state, stored)
+    for name in stored:
+        assert model.get_submodule(name).weight.stride() == (0, 0), name
+    assert model.norm.weight.untyped_storage().nbytes() == 4 * cfg.hidden_size
 
 
 def test_served_gguf_is_within_its_bounds_of_float32_on_the_same_values(tiny_gguf):

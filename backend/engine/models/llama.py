@@ -539,10 +539,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     with torch.device("meta"):
         model = PagedLlama(cfg, ropes)
     # A tensor already in `dtype` would alias its file's mapping and hold all of that file's pages (a bfloat16 1B:
-    # 2.3 GB of RSS beside the packed weights): all but the Linears' weights, which the GEMM tactics pack and drop, are
-    # copied out of it.
-    linears = {name + ".weight" for name in fused_linears(cfg)}
-    model.load_state_dict({k: v.to(dtype) if k in linears else v.to(dtype, copy=True) for k, v in fused.items()},
+    # 2.3 GB of RSS beside the packed weights): all but the Linears' weights, which the GEMM tactics pack and drop, and
+    # the stored ones (a zero expanded: no bytes to copy) are copied out of it.
+    kept = {name + ".weight" for name in [*fused_linears(cfg), *(stored or ())]}
+    model.load_state_dict({k: v.to(dtype) if k in kept else v.to(dtype, copy=True) for k, v in fused.items()},
                           strict=True, assign=True)
     model.rope_cos, model.rope_sin = ropes[FULL]
     if SLIDING in ropes:
