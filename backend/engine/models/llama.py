@@ -515,7 +515,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
 
     fused: dict[str, torch.Tensor] = {"embed_tokens.weight": weight("embed_tokens", ["embed_tokens"]),
                                       "norm.weight": state["norm.weight"]}
-    fused.update({name + ".weight": weight(name, sources) for name, sources in fused_linears(cfg).items()})
+    linears = fused_linears(cfg)
+    fused.update({name + ".weight": weight(name, sources) for name, sources in linears.items()})
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         if cfg.attention_bias:
@@ -541,7 +542,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     # A tensor already in `dtype` would alias its file's mapping and hold all of that file's pages (a bfloat16 1B:
     # 2.3 GB of RSS beside the packed weights): all but the Linears' weights, which the GEMM tactics pack and drop, and
     # the stored ones (a zero expanded: no bytes to copy) are copied out of it.
-    kept = {name + ".weight" for name in [*fused_linears(cfg), *(stored or ())]}
+    kept = {name + ".weight" for name in [*linears, *(stored or ())]}
     model.load_state_dict({k: v.to(dtype) if k in kept else v.to(dtype, copy=True) for k, v in fused.items()},
                           strict=True, assign=True)
     model.rope_cos, model.rope_sin = ropes[FULL]

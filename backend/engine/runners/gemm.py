@@ -473,18 +473,24 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
             rows = rows_of(weight)
             bias = None if linear.bias is None else linear.bias[first:first + rows]
             first += rows
-            prepare = TACTICS[chosen[name, i]].prepare
+            tactic = TACTICS[chosen[name, i]]
             if isinstance(weight, InputsPermuted):
-                gemms.append(functools.partial(_inputs_permuted, prepare(weight.blocks, bias), weight.index))
-            elif isinstance(weight, torch.Tensor) and not (TACTICS[chosen[name, i]].keeps_narrow and dtype ==
-                                                           torch.float32 and weight.dtype in NARROW):
-                gemms.append(prepare(weight.to(dtype), bias))
-            else:  # blocks, or a stored F16 / BF16 tensor that the tactic widens exactly (half a float32 copy's bytes)
-                gemms.append(prepare(weight, bias))
+                gemms.append(functools.partial(_inputs_permuted, tactic.prepare(weight.blocks, bias), weight.index))
+            else:
+                gemms.append(tactic.prepare(_in_dtype(weight, tactic, dtype), bias))
         linear.gemm = gemms[0] if len(gemms) == 1 else functools.partial(_concatenated, gemms)
         if chosen[name, 0] != "aten" or stored is not None:
             linear.weight = linear.bias = None
     return {shapes[unit]: tactic for unit, tactic in chosen.items()}
+
+
+def _in_dtype(weight: Weight, tactic: Tactic, dtype: torch.dtype) -> Weight:
+    """A float weight in the model's dtype; blocks, and a 16-bit weight that the tactic widens exactly itself (a
+    float32 model: half a float32 copy's bytes), as they are."""
+    if not isinstance(weight, torch.Tensor):
+        return weight
+    widened_by_tactic = tactic.keeps_narrow and dtype == torch.float32 and weight.dtype in NARROW
+    return weight if widened_by_tactic else weight.to(dtype)
 
 
 def _inputs_permuted(gemm: Gemm, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
