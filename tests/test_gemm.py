@@ -114,6 +114,33 @@ def test_a_model_stored_in_its_dtype_keeps_no_mapping_of_its_files(tiny_model_di
     assert engine_logits(runner).isfinite().all()
 
 
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_a_16_bit_folder_in_a_float32_model_keeps_its_linears_16_bits(tiny_model_dir, tmp_path, monkeypatch, narrow):
+    """A checkpoint in bfloat16/float16 served at `dtype: float32`: f32_panels holds its Linears' weights as stored
+    (half a float32 copy's bytes) and computes what the same values stored in float32 compute, bit for bit; a tactic
+    that does not read 16 bits (aten: the exported graph's) gets the float32 copy at load, the same numbers; the race
+    times the tactics on the weights as stored."""
+    monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    folders = {}
+    for dtype in (narrow, torch.float32):
+        folders[dtype] = folder = tmp_path / str(dtype)
+        shutil.copytree(tiny_model_dir, folder)
+        for f in folder.glob("*.safetensors"):  # float32 holds the 16-bit values exactly
+            save_file({k: v.to(narrow).to(dtype) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    for tactic in ("f32_panels", "aten"):
+        served, wide = (TorchRunner(folders[d], "float32", 64, BLOCK_SIZE, gemm_backend=tactic) for d in folders)
+        qkv = served.model.get_submodule("layers.0.qkv_proj")
+        if tactic == "f32_panels":
+            assert qkv.weight is None and [p.dtype for p in qkv.gemm.gemm.panels] == [narrow]
+        else:
+            assert qkv.weight.dtype == torch.float32
+        assert torch.equal(engine_logits(served), engine_logits(wide))
+    runner = TorchRunner(folders[narrow], "float32", 64, BLOCK_SIZE)
+    table = json.loads(gemm.cache_file().read_text())
+    assert table and all(key.startswith(f"float32<-{str(narrow).removeprefix('torch.')}/") for key in table)
+    assert engine_logits(runner).isfinite().all()
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 100, 96), (16, 64, 64), (17, 20, 7), (48, 960, 576),
                                    (70, 200, 33), (130, 48, 64)])
 def test_bf16_amx_is_a_bfloat16_linear_at_every_row_and_panel_count(m, n, k):

@@ -490,12 +490,14 @@ def layer_norms(cfg: ModelConfig, i: int) -> dict[str, str]:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                state: dict[str, torch.Tensor] | None = None, stored: Mapping[str, Weight] | None = None,
-               max_positions: int | None = None) -> PagedLlama:
+               max_positions: int | None = None, narrow_linears: bool = False) -> PagedLlama:
     """Build PagedLlama from an HF safetensors folder (q/k/v and gate/up are fused at load), or from the folder's
     config and an HF `state` dict already in memory (a GPU benchmark's random weights, never written to disk). The
     Linears named in `stored` (a quantized checkpoint's, which `state` lacks), and `embed_tokens` if there (a GGUF's),
     get a weight of no bytes, a zero expanded to their shape: runners/gemm.py serves them from `stored` and drops it.
-    Rope tables cover `max_positions` (the KV pool's tokens: no sequence gets further), at most the model's length."""
+    Rope tables cover `max_positions` (the KV pool's tokens: no sequence gets further), at most the model's length.
+    With `narrow_linears`, a float32 model's Linear weights stored in bfloat16 / float16 stay so, for a GEMM tactic that
+    widens them exactly as it reads them (runners/gemm.py f32_panels: half the bytes held and read a step)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     ropes = rope_tables(model_dir, cfg, min(cfg.max_position_embeddings, max_positions or cfg.max_position_embeddings))
@@ -543,8 +545,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     # 2.3 GB of RSS beside the packed weights): all but the Linears' weights, which the GEMM tactics pack and drop, and
     # the stored ones (a zero expanded: no bytes to copy) are copied out of it.
     kept = {name + ".weight" for name in [*linears, *(stored or ())]}
-    model.load_state_dict({k: v.to(dtype) if k in kept else v.to(dtype, copy=True) for k, v in fused.items()},
-                          strict=True, assign=True)
+    as_stored = narrow_linears and dtype == torch.float32
+
+    def cast(k: str, v: torch.Tensor) -> torch.Tensor:
+        if k not in kept:
+            return v.to(dtype, copy=True)
+        return v if as_stored and v.dtype in (torch.bfloat16, torch.float16) else v.to(dtype)
+
+    model.load_state_dict({k: cast(k, v) for k, v in fused.items()}, strict=True, assign=True)
     model.rope_cos, model.rope_sin = ropes[FULL]
     if SLIDING in ropes:
         model.rope_cos_sliding, model.rope_sin_sliding = ropes[SLIDING]

@@ -22,9 +22,10 @@ model dtype: the arithmetic of a bf16 GEMM that accumulates in float32):
 - `onednn`: oneDNN with the weight prepacked once (`torch.ops.mkldnn._reorder_linear_weight`).
 - `aten_f32`, `onednn_f32`: the same on a float32 copy of a bfloat16/float16 weight (2x its memory).
 - `f32_panels`: ours (kernels/f32_linear.cpp), float32 multiply-adds over weights in panels that the loop prefetches
-  ahead of them; ahead of oneDNN and MKL at decode sizes with the weights coming from DRAM. A bfloat16/float16 model's
-  weights stay in their 16 bits, widened exactly as they are loaded: the float32 copy's sums from half its bytes (one
-  row from DRAM 2.0-2.2x faster, 16-64 rows 1.1-1.4x, prefill rows even: AMD EPYC Zen 3, AVX2, the 1B's shapes).
+  ahead of them; ahead of oneDNN and MKL at decode sizes with the weights coming from DRAM. 16-bit weights (a
+  bfloat16/float16 model's, or a float32 model's from a 16-bit checkpoint) stay in their 16 bits, widened exactly as
+  they are loaded: the float32 copy's sums from half its bytes (one row from DRAM 2.0-2.2x faster, 16-64 rows 1.1-1.4x,
+  prefill rows even: AMD EPYC Zen 3, AVX2, the 1B's shapes); the race times each tactic on the weights as stored.
 - `bf16_amx`: ours (kernels/bf16_amx.cpp), bfloat16 weights in AMX tiles, the next panel prefetched; a bfloat16 model
   on a CPU with AMX-BF16 (Intel Xeon since Sapphire Rapids), where it reads decode-sized GEMMs' weights faster than
   oneDNN's own AMX GEMM.
@@ -312,6 +313,11 @@ TACTICS = {t.name: t for t in (Tactic("aten", _aten, devices=("cpu", "cuda")), T
 BACKENDS = ("auto", *TACTICS)
 
 
+def may_keep_narrow(backend: str) -> bool:
+    """Whether `backend` (a tactic, or `auto`'s race) may serve a 16-bit weight as stored in a float32 model."""
+    return backend == "auto" or (backend in TACTICS and TACTICS[backend].keeps_narrow)
+
+
 @functools.cache
 def why_not(name: str, dtype: torch.dtype) -> str | None:
     """None when tactic `name` runs `dtype` on this CPU, else why not (the error it raises on a tiny weight)."""
@@ -361,13 +367,17 @@ def _seconds_per_token(gemms: list[Gemm], shape: Shape, dtype: torch.dtype) -> f
     return total
 
 
-def measure(shape: Shape, dtype: torch.dtype, names: list[str]) -> dict[str, float]:
+def measure(shape: Shape, dtype: torch.dtype, names: list[str], stored: torch.dtype | None = None
+            ) -> dict[str, float]:
     """Seconds per token (summed over the shape's token counts) of each tactic that runs here, on copies of a weight
-    that together take at least COLD_BYTES."""
-    size = shape.out_features * shape.in_features * torch.finfo(dtype).bits // 8
+    that together take at least COLD_BYTES, each tactic given the weight as a model's load gives it: stored in
+    `stored` (default `dtype`), in `dtype` unless the tactic serves it as stored (_in_dtype)."""
+    stored = stored or dtype
+    size = shape.out_features * shape.in_features * torch.finfo(stored).bits // 8
     copies = min(64, -(-COLD_BYTES // size))  # a tiny model's weights stay in cache in any case
-    weights = [torch.randn(shape.out_features, shape.in_features).to(dtype) for _ in range(copies)]
-    return {name: _seconds_per_token([TACTICS[name].prepare(w, None) for w in weights], shape, dtype) for name in names}
+    weights = [torch.randn(shape.out_features, shape.in_features).to(stored) for _ in range(copies)]
+    return {name: _seconds_per_token([TACTICS[name].prepare(_in_dtype(w, TACTICS[name], dtype), None) for w in weights],
+                                     shape, dtype) for name in names}
 
 
 def cache_file() -> Path:
@@ -377,8 +387,11 @@ def cache_file() -> Path:
 
 
 def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backend: str = "auto",
-           quantization: str = "none", reads: type | None = None) -> dict[Shape, str]:
-    """The tactic for each shape: `backend` itself when forced, else the fastest of `quantization`'s measured here."""
+           quantization: str = "none", reads: type | None = None, stored: torch.dtype | None = None
+           ) -> dict[Shape, str]:
+    """The tactic for each shape: `backend` itself when forced, else the fastest of `quantization`'s measured here
+    (on float weights stored in `stored`, if not `dtype`: 16 bits that f32_panels serves as stored in a float32
+    model)."""
     if backend not in BACKENDS:
         raise ValueError(f"gemm_backend: expected one of {list(BACKENDS)}, got {backend!r}")
     names = candidates(dtype, device, quantization, reads)
@@ -400,7 +413,8 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
     path.parent.mkdir(parents=True, exist_ok=True)
     # the candidates are in the key: a row timed where others ran (another ONEDNN_MAX_CPU_ISA) is timed again
     # not the thread count: a process whose CPU share cut its threads must still pick what the others picked
-    prefix = f"{str(dtype).removeprefix('torch.')}/{'+'.join(names)}"
+    held = "" if stored in (None, dtype) else f"<-{str(stored).removeprefix('torch.')}"
+    prefix = f"{str(dtype).removeprefix('torch.')}{held}/{'+'.join(names)}"
     with _lock, open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a process that starts while another times waits and reads its choices
         table = json.loads(path.read_text()) if path.is_file() else {}
@@ -408,7 +422,7 @@ def choose(shapes: list[Shape], dtype: torch.dtype, device: torch.device, backen
         if missing:
             log.info("gemm: timing %s on %d shapes (cached in %s)", "/".join(names), len(missing), path)
             share, start = CpuShare.start(), time.monotonic()
-            timings = {shape: measure(shape, dtype, names) for shape in missing}
+            timings = {shape: measure(shape, dtype, names, stored) for shape in missing}
             others = share.others() if share else 0.0
             for shape, times in timings.items():
                 table[f"{prefix}/{shape.key}"] = {"choice": min(times, key=times.get), "others_cpus": round(others, 2),
@@ -440,12 +454,13 @@ def _form(quantization: str, name: str, weight: Blocks | InputsPermuted | torch.
 
 
 def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", quantization: str = "none",
-                stored: dict[str, Weight] | None = None) -> dict[Shape, str]:
+                stored: dict[str, Weight] | None = None, dtype: torch.dtype | None = None) -> dict[Shape, str]:
     """Give every nn.Linear of `model` its tactic as `linear.gemm`, from its float weight or (gguf) from the `stored`
     weight of its name (each part of a `Stacked` one its own tactic, the outputs concatenated; an `InputsPermuted` one
     gathers its inputs first); a tactic that keeps its own copy of the weight (packed, float32 or int8), and every
     stored one, releases the module's; `stored` is consumed, each weight dropped once its tactic holds it. A forced
-    `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own)."""
+    `backend` serves the Linears of its form (int4's Q8_0 lm_head picks its own). `dtype` is the model's (default: its
+    Linears' weights', unless load_model left them in their stored 16 bits)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: expected one of {list(QUANTIZATIONS)}, got {quantization!r}")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -454,8 +469,9 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
     units = [(name, i) for name, weights in parts.items() for i in range(len(weights))]
     shapes = {(name, i): Shape(rows_of(parts[name][i]), linears[name].in_features,
                                HEAD_TOKENS if name == "lm_head" else LAYER_TOKENS) for name, i in units}
-    forms = {(name, i): _form(quantization, name, parts[name][i]) for name, i in units}
-    dtype = next(iter(linears.values())).weight.dtype
+    dtype = dtype or next(iter(linears.values())).weight.dtype
+    forms = {(name, i): (*_form(quantization, name, parts[name][i]), _float_dtype(parts[name][i], dtype))
+             for name, i in units}
     forced = TACTICS[backend].quantization if backend in TACTICS else None
     served = {form[0] for form in forms.values()}
     chosen: dict[tuple[str, int], str] = {}
@@ -479,9 +495,14 @@ def use_tactics(model: nn.Module, device: torch.device, backend: str = "auto", q
             else:
                 gemms.append(tactic.prepare(_in_dtype(weight, tactic, dtype), bias))
         linear.gemm = gemms[0] if len(gemms) == 1 else functools.partial(_concatenated, gemms)
-        if chosen[name, 0] != "aten" or stored is not None:
+        if chosen[name, 0] != "aten" or stored is not None or linear.weight.dtype != dtype:  # aten's is not its own
             linear.weight = linear.bias = None
     return {shapes[unit]: tactic for unit, tactic in chosen.items()}
+
+
+def _float_dtype(weight: Weight, dtype: torch.dtype) -> torch.dtype | None:
+    """A float weight's dtype where it is not the model's (the tactics are timed on it as stored), else None."""
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.dtype != dtype else None
 
 
 def _in_dtype(weight: Weight, tactic: Tactic, dtype: torch.dtype) -> Weight:

@@ -28,7 +28,7 @@ from backend.engine.models.llama import KernelLayout, load_model
 from backend.engine.models.weight_blocks import BlockEmbedding
 from backend.engine.runners.base import allocate_kv_cache, torch_dtype, write_new_kv
 from backend.engine.runners.expert_gemm import stack_experts
-from backend.engine.runners.gemm import use_tactics
+from backend.engine.runners.gemm import may_keep_narrow, use_tactics
 from backend.engine.runners.layer_program import layer_program
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,11 @@ class TorchRunner:
             log.info("%s: %s's Linears served as stored", quantization, model_dir)
         else:
             state = float_state(model_dir, load_model_config(model_dir))
-        self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored, max_positions)
+        self.model = load_model(model_dir, torch_dtype(dtype), self.device, state, stored, max_positions,
+                                narrow_linears=may_keep_narrow(gemm_backend))
         if quantization == "gguf":
             self.model.embed_tokens = BlockEmbedding(stored.pop("embed_tokens"), torch_dtype(dtype))
-        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored)
+        self.gemm_tactics = use_tactics(self.model, self.device, gemm_backend, quantization, stored, torch_dtype(dtype))
         if stacked := stack_experts(self.model):
             log.info("MoE: %d layers' experts stacked, one kernel call per Linear", stacked)
         del state, stored
