@@ -118,8 +118,8 @@ def test_a_model_stored_in_its_dtype_keeps_no_mapping_of_its_files(tiny_model_di
 def test_a_16_bit_folder_in_a_float32_model_keeps_its_linears_16_bits(tiny_model_dir, tmp_path, monkeypatch, narrow):
     """A checkpoint in bfloat16/float16 served at `dtype: float32`: f32_panels holds its Linears' weights as stored
     (half a float32 copy's bytes) and computes what the same values stored in float32 compute, bit for bit; a tactic
-    that does not read 16 bits (aten: the exported graph's) gets the float32 copy at load, the same numbers; the race
-    times the tactics on the weights as stored."""
+    that does not read 16 bits (aten: the exported graph's) gets the float32 copy at load, the same numbers; neither
+    keeps the files mapped; the race times the tactics on the weights as stored."""
     monkeypatch.setenv("LLM_KERNEL_CACHE", str(tmp_path / "kernels"))
     folders = {}
     for dtype in (narrow, torch.float32):
@@ -129,6 +129,8 @@ def test_a_16_bit_folder_in_a_float32_model_keeps_its_linears_16_bits(tiny_model
             save_file({k: v.to(narrow).to(dtype) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
     for tactic in ("f32_panels", "aten"):
         served, wide = (TorchRunner(folders[d], "float32", 64, BLOCK_SIZE, gemm_backend=tactic) for d in folders)
+        gc.collect()
+        assert str(folders[narrow]) not in Path("/proc/self/maps").read_text()  # no page of its files held
         qkv = served.model.get_submodule("layers.0.qkv_proj")
         if tactic == "f32_panels":
             assert qkv.weight is None and [p.dtype for p in qkv.gemm.gemm.panels] == [narrow]
